@@ -1,0 +1,63 @@
+"""Configuration dataclasses and the on-disk home (JUSTFIT_HOME)."""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+FORMATS = ("affine", "rotated")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """How KVExec stores the KV cache: bits 16 (full precision), 8 or 4; format affine|rotated."""
+
+    bits: int = 4
+    format: str = "affine"
+    group_size: int = 64
+    page_size: int = 256
+    quantized_kv_start: int = 0
+
+    def __post_init__(self):
+        from .errors import UserError
+
+        if self.bits not in (4, 8, 16):
+            raise UserError(f"KV bits must be 4, 8 or 16, not {self.bits}")
+        if self.format not in FORMATS:
+            raise UserError(f"KV format must be one of {FORMATS}, not {self.format!r}")
+        if self.format == "rotated" and self.bits != 4:
+            raise UserError("the rotated KV format is 4-bit only")
+        if self.group_size not in (32, 64, 128):
+            raise UserError(f"KV group size must be 32, 64 or 128, not {self.group_size}")
+        if self.page_size <= 0 or self.page_size % 32:
+            raise UserError(f"page size must be a positive multiple of 32, not {self.page_size}")
+
+    @property
+    def name(self) -> str:
+        """Short label such as 'q4-affine' or 'fp16', used in fingerprints and bench rows."""
+        return "fp16" if self.bits == 16 else f"q{self.bits}-{self.format}"
+
+
+def home(path: Optional[os.PathLike] = None) -> Path:
+    """The JustFit home: the argument, else $JUSTFIT_HOME, else ~/.cache/justfit."""
+    if path is not None:
+        return Path(path).expanduser()
+    env = os.environ.get("JUSTFIT_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "justfit"
+
+
+def writable_home(path: Optional[os.PathLike] = None) -> Path:
+    """Create the home if needed and check it is writable; a clear UserError otherwise."""
+    from .errors import UserError
+
+    root = home(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(
+            f"JUSTFIT_HOME {root} is not writable ({e.strerror}); set JUSTFIT_HOME to a writable folder"
+        ) from None
+    return root
