@@ -1,0 +1,30 @@
+"""JustFit: local LLM agents that fit in memory and answer fast, on MLX."""
+
+__version__ = "0.1.0"
+
+from .config import KVConfig  # noqa: E402
+from .errors import MemoryBudgetError, UserError  # noqa: E402
+
+
+def __getattr__(name):
+    # Lazy so that `import justfit` stays cheap (the CLI re-execs itself before importing MLX).
+    if name in ("Runtime", "Generation", "Chunk"):
+        from . import runtime
+
+        return getattr(runtime, name)
+    if name == "load":
+        from .models import load
+
+        return load
+    if name == "make_cache":
+        from .kvexec import make_cache
+
+        return make_cache
+    if name == "Session":
+        from .statetrans import Session
+
+        return Session
+    raise AttributeError(f"module 'justfit' has no attribute {name!r}")
+
+
+__all__ = ["KVConfig", "UserError", "MemoryBudgetError", "Runtime", "load", "make_cache", "Session"]

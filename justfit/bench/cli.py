@@ -1,0 +1,5 @@
+"""The `justfit bench` command group; each workload registers one command here."""
+
+import typer
+
+app = typer.Typer(help="Benchmarks against mlx-lm in the same process. --json prints one JSON object.", no_args_is_help=True)
