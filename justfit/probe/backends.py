@@ -35,6 +35,18 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def mlx_device() -> dict:
+    """MLX's default device as {kind: cpu|metal|cuda, name, platform}."""
+    import mlx.core as mx
+
+    kind, name = "cpu", cpu_name()
+    if mx.default_device() == mx.gpu:
+        kind = "metal" if mx.metal.is_available() else "cuda"
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        name = str(info.get("device_name", kind))
+    return {"kind": kind, "name": name, "platform": platform.platform()}
+
+
 class MLXBackend:
     """An mlx-lm model object timed with mlx-lm's generate_step (cache on) or a recompute loop."""
 
@@ -47,20 +59,7 @@ class MLXBackend:
         self._make_cache = make_cache
         self.kv_name = kv_name
         self.vocab_size = int(model(mx.array([[0]]))[0].shape[-1])
-        self.device = self._device()
-
-    @staticmethod
-    def _device() -> dict:
-        import mlx.core as mx
-
-        kind = "gpu" if mx.default_device() == mx.gpu else "cpu"
-        name = cpu_name()
-        if kind == "gpu" and mx.metal.is_available():
-            name = mx.metal.device_info().get("device_name", "metal")
-            kind = "metal"
-        elif kind == "gpu":
-            kind = "cuda"
-        return {"kind": kind, "name": name, "platform": platform.platform()}
+        self.device = mlx_device()
 
     def versions(self) -> dict:
         import mlx.core as mx

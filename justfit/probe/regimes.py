@@ -36,7 +36,7 @@ class DetectorParams:
     """Thresholds of the detector; the defaults suit 3-10 repeats on a noisy shared machine."""
 
     z: float = 4.0
-    min_ratio: float = 1.25
+    min_ratio: float = 1.5
     min_noise: float = 0.03
     trim: float = 3.0
     quorum: float = 0.6
@@ -85,7 +85,7 @@ def robust_baseline(budgets: np.ndarray, log_levels: np.ndarray, params: Detecto
     """(fitted log-levels, residual spread) of the trimmed polynomial fit; see the module docstring."""
     x = np.log(budgets.astype(float))
     x = (x - x.mean()) / (x.std() or 1.0)
-    degree = min(params.degree, max(len(x) - 2, 0))
+    degree = min(params.degree, (len(x) - 1) // 3)  # at least three budgets per coefficient
     sigma = max(local_noise(log_levels), params.min_noise / 2)
 
     def fit_on(keep):
@@ -94,6 +94,8 @@ def robust_baseline(budgets: np.ndarray, log_levels: np.ndarray, params: Detecto
     fit = fit_on(np.ones(len(x), dtype=bool))
     resid = log_levels - fit
     keep = resid <= np.median(resid)  # start from the lower half: anomalies only ever slow down
+    if keep.sum() <= degree + 1:
+        keep[:] = True
     for _ in range(50):
         fit = fit_on(keep)
         resid = log_levels - fit

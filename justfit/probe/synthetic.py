@@ -1,8 +1,8 @@
 """Synthetic latency sweeps with planted regimes, for testing the detector and drawing demos.
 
 Noise is shaped like a shared machine: per-run log-normal jitter, a per-budget drift that moves
-all repeats of one budget together (load changed while it ran), and rare hiccups (one run 1.5-3x
-slower). Anomalies are spikes (one budget) or plateaus (several), each run inside drawn around
+all repeats of one budget together (load changed while it ran), and rare hiccups (a run 1.5-3x
+slower; at most a minority of one budget's runs, else the budget really was slow). Anomalies are spikes (one budget) or plateaus (several), each run inside drawn around
 the interval's ratio with a wide spread, as the paper saw near thresholds.
 """
 
@@ -49,6 +49,8 @@ def series(rng, budgets: np.ndarray, repeats: int = 5, anomalies: int = 2, kv: s
         factor[start:stop] = ratio * np.exp(rng.normal(0, 0.15, (stop - start, repeats)))
     drift = np.exp(rng.normal(0, sigma / 2, (len(budgets), 1)))
     jitter = np.exp(rng.normal(0, sigma, (len(budgets), repeats)))
-    hiccup = np.where(rng.random((len(budgets), repeats)) < 0.05, rng.uniform(1.5, 3, (len(budgets), repeats)), 1)
+    hit = rng.random((len(budgets), repeats)) < 0.05
+    hit &= np.cumsum(hit, axis=1) <= (repeats - 1) // 2  # a minority: a majority of slow runs is a slow budget
+    hiccup = np.where(hit, rng.uniform(1.5, 3, (len(budgets), repeats)), 1)
     lat = base[:, None] * factor * drift * jitter * hiccup
     return {int(b): lat[i].tolist() for i, b in enumerate(budgets)}, truth

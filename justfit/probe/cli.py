@@ -1,0 +1,112 @@
+"""`justfit probe`: sweep, detect regimes, write probe.json/csv/png and save the map.
+
+Importing this module does not import MLX or torch; the command imports them when it runs.
+"""
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Tuple
+
+import typer
+
+from ..errors import UserError
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per 10% when stderr is not a terminal)."""
+
+    def __init__(self, stream=sys.stderr, width: int = 28):
+        self.stream, self.width, self.start, self.shown = stream, width, time.perf_counter(), -1
+
+    def __call__(self, done: int, total: int, label: str):
+        frac = done / max(total, 1)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / frac - elapsed if frac > 0 else 0
+        bar = "#" * int(frac * self.width)
+        line = f"[{bar:<{self.width}}] {done}/{total} {label}  {elapsed:.0f}s elapsed, ~{eta:.0f}s left"
+        if self.stream.isatty():
+            self.stream.write("\r\033[K" + line + ("\n" if done == total else ""))
+        elif int(frac * 10) != self.shown or done == total:
+            self.shown = int(frac * 10)
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def probe(
+    model: str = typer.Option("default", "--model", help="'default', an mlx-lm folder, a .gguf, or an HF id (torch: any transformers model)."),
+    backend: str = typer.Option("mlx", "--backend", help="mlx (JustFit runtime), mlx-lm (plain mlx-lm) or torch."),
+    device: Optional[str] = typer.Option(None, "--device", help="MLX: cpu|gpu. torch: mps|cuda|cpu. Default: the fastest available."),
+    budgets: str = typer.Option("128:768:16", "--budgets", help="Decode budgets: start:stop:step (stop included) or a list 64,128."),
+    refine: bool = typer.Option(False, "--refine", help="Re-sweep at a finer step around detected transitions and re-measure anomalous budgets."),
+    refine_step: Optional[int] = typer.Option(None, "--refine-step", help="Step of the refinement (default: a quarter of the grid step)."),
+    contexts: str = typer.Option("32,512", "--contexts", help="Prompt lengths in tokens, comma-separated."),
+    kv: str = typer.Option("on,off", "--kv", help="KV cache on, off or on,off (off recomputes the sequence every step)."),
+    warmup: int = typer.Option(3, "--warmup", help="Unrecorded runs before each budget's measured runs."),
+    repeats: int = typer.Option(5, "--repeats", help="Measured end-to-end runs per budget."),
+    step_runs: int = typer.Option(1, "--step-runs", help="Instrumented runs per budget (sync after every step)."),
+    seed: int = typer.Option(42, "--seed", help="Seed of the prompt token ids."),
+    out: Path = typer.Option(Path("probe-out"), "--out", help="Folder for probe.json, probe.csv, probe.png (or compare.png)."),
+    save_map: bool = typer.Option(True, "--save-map/--no-save-map", help="Also store the result as this device's map under $JUSTFIT_HOME/probe/."),
+    compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="Compare two probe.json files (prints, plots compare.png); no sweep."),
+):
+    """Map decode latency regimes: budgets x contexts x KV on/off, anomalies flagged and plotted."""
+    if compare:
+        from .compare import compare as run_compare
+
+        typer.echo(run_compare(compare[0], compare[1], out))
+        return
+    from .sweep import parse_budgets, parse_contexts, parse_kv
+
+    grid = {"budgets": parse_budgets(budgets), "contexts": parse_contexts(contexts), "kv": parse_kv(kv),
+            "warmup": warmup, "repeats": repeats, "step_runs": step_runs, "seed": seed}
+    report = run_probe(model, backend, device, grid, refine, refine_step)
+    typer.echo(write_outputs(report, out, save_map))
+
+
+def run_probe(model: str, backend: str, device: Optional[str], grid: dict, refine: bool = False,
+              refine_step: Optional[int] = None, progress=None) -> dict:
+    """Build the backend, sweep the grid (and refine), and return the probe report."""
+    from .backends import make_backend
+    from .report import build_report
+    from .sweep import merge_records, refine_budgets, run_sweep
+
+    progress = progress or Progress()
+    sys.stderr.write(f"loading {model} on {backend} ...\n")
+    be = make_backend(backend, model, device)
+    args = {k: grid[k] for k in ("warmup", "repeats", "seed", "step_runs")}
+    records = run_sweep(be, grid["budgets"], grid["contexts"], grid["kv"], progress=progress, **args)
+    report = build_report(be, records, {**grid, "refined": []})
+    if refine:
+        extra = refine_budgets(report["regimes"], grid["budgets"], refine_step)
+        if extra:
+            sys.stderr.write(f"refining at {len(extra)} budgets around transitions ...\n")
+            more = run_sweep(be, extra, grid["contexts"], grid["kv"], progress=progress, **args)
+            report = build_report(be, merge_records(records, more), {**grid, "refined": extra})
+    return report
+
+
+def write_outputs(report: dict, out: Path, save_map: bool = True) -> str:
+    """Write probe.json/csv/png into `out`, save the map, and return the closing text."""
+    from .maps import save_map as store
+    from .plot import plot_report
+    from .report import write_csv, write_json
+
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create output folder {out}: {e.strerror}") from None
+    paths = [write_json(report, out / "probe.json"), write_csv(report, out / "probe.csv"),
+             plot_report(report, out / "probe.png")]
+    lines = [f"wrote {p}" for p in paths]
+    if save_map:
+        lines.append(f"saved map {store(report)}")
+    v = report["verdict"]
+    lines.append("verdict: smooth, no anomalous interval" if v["smooth"] else
+                 f"verdict: {v['anomalous_intervals']} anomalous interval(s), spike up to {v['max_spike_ratio']:.2f}x")
+    for r in report["regimes"]:
+        if r["label"] == "anomalous":
+            lines.append(f"  context {r['context']} kv {r['kv']}: budgets {r['start']}-{r['end']}, spike "
+                         f"{r['spike_ratio']:.2f}x at {r['peak_budget']}, recovery {r['recovery']}")
+    return "\n".join(lines)
