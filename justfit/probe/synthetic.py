@@ -54,3 +54,35 @@ def series(rng, budgets: np.ndarray, repeats: int = 5, anomalies: int = 2, kv: s
     hiccup = np.where(hit, rng.uniform(1.5, 3, (len(budgets), repeats)), 1)
     lat = base[:, None] * factor * drift * jitter * hiccup
     return {int(b): lat[i].tolist() for i, b in enumerate(budgets)}, truth
+
+
+class SyntheticBackend:
+    """Stands in for a backend when a report is built from synthetic records."""
+
+    name, model_id, kv_name = "synthetic", "synthetic-model", "fp16"
+    device = {"kind": "cpu", "name": "test cpu", "platform": "synthetic"}
+
+    def versions(self) -> dict:
+        return {}
+
+
+def demo_report(seed: int = 7, contexts=(32, 512), budgets=range(128, 769, 16), plateau=None) -> dict:
+    """A probe report from smooth synthetic series (3% noise, KV off clearly slower), with an
+    optional plateau (lo, hi, factor) planted in every KV-on series."""
+    from .report import build_report
+
+    rng = np.random.default_rng(seed)
+    b = np.asarray(list(budgets))
+    records = []
+    for ctx in contexts:
+        for kv in ("on", "off"):
+            lat_by_budget, _ = series(rng, b, repeats=5, anomalies=0, kv=kv, noise=0.03)
+            for bb, lat in lat_by_budget.items():
+                if kv == "off":
+                    lat = [x * (1 + bb / 64) for x in lat]
+                if plateau and kv == "on" and plateau[0] <= bb <= plateau[1]:
+                    lat = [x * plateau[2] for x in lat]
+                records.append(dict(context=ctx, kv=kv, budget=bb, warmup_s=[], e2e_s=lat,
+                                    prefill_s=[0.1], step_s=[[0.01] * (bb - 1)]))
+    grid = {"contexts": list(contexts), "kv": ["on", "off"], "warmup": 0, "repeats": 5, "step_runs": 1, "seed": seed}
+    return build_report(SyntheticBackend(), records, grid)

@@ -1,0 +1,51 @@
+"""Regime maps: saved per key under $JUSTFIT_HOME/probe/, and steering around anomalous intervals."""
+
+import json
+
+from justfit.probe import maps, report
+from justfit.probe.synthetic import demo_report as synthetic_report
+
+
+def test_save_list_and_load_by_key(tmp_path):
+    rep = synthetic_report(plateau=(480, 560, 6.0))
+    path = maps.save_map(rep, tmp_path)
+    assert path.parent == tmp_path / "probe" and path.name.startswith("cpu-test-cpu__synthetic__synthetic-model__fp16__")
+    key = maps.key_of(rep)
+    assert maps.list_maps(tmp_path) == [(path, key)]
+    assert maps.load_map(key, tmp_path)["summary"] == json.loads(json.dumps(rep["summary"]))
+    other = maps.MapKey(key.device, key.backend, key.model, "q4-affine")
+    assert maps.load_map(other, tmp_path) is None and maps.map_path(other, tmp_path) != path
+
+
+def test_synthetic_map_makes_steering_pick_a_different_budget_and_say_so(tmp_path):
+    rep = synthetic_report(plateau=(480, 560, 6.0))
+    key = maps.key_of(maps.save_map(rep, tmp_path) and rep)
+    reserved, note = maps.steer_budget(tmp_path, key, context_tokens=40, budget=500)
+    assert reserved == 576
+    assert "480-560" in note and "reserved 576, stopping at 500" in note
+    # the budget where the interval starts, and a request on the longer context, are steered too
+    assert maps.steer_budget(tmp_path, key, 30, 480)[0] == 576
+    assert maps.steer_budget(tmp_path, key, 600, 560)[0] == 576
+    # outside the interval, or without a map, nothing changes and nothing is said
+    assert maps.steer_budget(tmp_path, key, 40, 464) == (464, None)
+    assert maps.steer_budget(tmp_path, key, 40, 576) == (576, None)
+    assert maps.steer_budget(tmp_path / "empty", key, 40, 500) == (500, None)
+    # KV-off series are smooth in this map
+    assert maps.steer_budget(tmp_path, key, 40, 500, kv="off") == (500, None)
+
+
+def test_interval_without_recovery_keeps_the_budget_and_explains(tmp_path):
+    rep = synthetic_report(plateau=(704, 768, 6.0))
+    maps.save_map(rep, tmp_path)
+    reserved, note = maps.steer_budget(tmp_path, maps.key_of(rep), 32, 720)
+    assert reserved == 720 and "no normal budget above" in note
+
+
+def test_corrupt_map_never_fails_a_generation(tmp_path):
+    rep = synthetic_report(budgets=range(16, 129, 16))
+    path = maps.save_map(rep, tmp_path)
+    path.write_text('{"format": "justfit-probe", "version": 1')  # torn write
+    reserved, note = maps.steer_budget(tmp_path, maps.key_of(rep), 32, 64)
+    assert reserved == 64 and note.startswith("probe map ignored:")
+    assert maps.list_maps(tmp_path) == []
+    assert report.validate({"format": "other"}) is not None
