@@ -55,7 +55,7 @@ def build_report(backend, records: List[dict], grid: dict, params: rg.DetectorPa
         "device": backend.device, "backend": backend.name,
         "versions": {"justfit": justfit.__version__, "python": platform.python_version(), **backend.versions()},
         "model": backend.model_id, "kv_config": backend.kv_name,
-        "grid": {**grid, "budgets": sorted({r["budget"] for r in records})},
+        "grid": {"refined": [], **grid, "budgets": sorted({r["budget"] for r in records})},
         "raw": records,
         "summary": _summary(records, detection),
         "regimes": detection["regimes"],
