@@ -1,7 +1,10 @@
 """Read a GGUF file's header (metadata and tensor table) in pure Python, and check JustFit can load it.
 
 No MLX and no tensor data are touched, so a bad file is rejected with a one-line UserError before any
-conversion starts. The layout is llama.cpp's GGUF v2/v3; see FORMAT.md next to this file.
+conversion starts. Layout (llama.cpp GGUF v2/v3, little-endian): b"GGUF", u32 version, u64 tensor count,
+u64 metadata count; metadata entries (string key, u32 value type, value); tensor infos (string name,
+u32 n_dims, u64 dims fastest-first, u32 ggml type, u64 offset); padding to general.alignment (default 32);
+tensor data. Strings are u64 length + UTF-8 bytes.
 """
 
 import struct
