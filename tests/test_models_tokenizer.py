@@ -195,6 +195,10 @@ def test_spm_merges_match_transformers_order():
     expected = generate_merges({t: i for i, t in enumerate(tokens)}, dict(zip(tokens, scores)))
     assert spm_merges(tokens, scores) == expected
     assert len(expected) > 20
+    # ties: equal scores order merges by longer left piece, then longer right piece
+    tied = ["a", "b", "c", "d", "ab", "bc", "cd", "abc", "bcd", "abcd", "da"]
+    flat = [0.0] * len(tied)
+    assert spm_merges(tied, flat) == generate_merges({t: i for i, t in enumerate(tied)}, dict(zip(tied, flat)))
 
 
 @pytest.mark.parametrize("name", ["gpt2-smollm", "llama-spm"])
@@ -249,3 +253,15 @@ def test_pre_tokenizer_decides_digit_splitting(pre, pieces):
     }
     tk, _ = build_tokenizer(metadata)
     assert len(tk.encode("12").ids) == pieces
+
+
+def test_spm_without_space_prefix(tmp_path):
+    """tokenizer.ggml.add_space_prefix = false (llama.cpp): no ▁ is prepended and decode keeps the text."""
+    g = write_tiny_llama_gguf(tmp_path / "m.gguf", "Q8_0", tokenizer="llama", add_space_prefix=False)
+    tk, _ = build_tokenizer(read_header(g.path, array_limit=None).metadata)
+    with_prefix, _ = build_tokenizer(read_header(g.path, array_limit=None).metadata | {
+        "tokenizer.ggml.add_space_prefix": True})
+    assert tk.encode("the item", add_special_tokens=False).tokens[0] != "▁the"
+    assert with_prefix.encode("the item", add_special_tokens=False).tokens[0] == "▁the"
+    for text in ["the item", " the item", "  x"]:
+        assert tk.decode(tk.encode(text, add_special_tokens=False).ids) == text

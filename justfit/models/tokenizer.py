@@ -119,9 +119,9 @@ def _spm_tokenizer(md: dict) -> Tokenizer:
     vocab = {tok: i for i, tok in enumerate(tokens)}
     unk_id = md.get("unk_id")
     unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
-    tk = Tokenizer(
-        models.BPE(vocab, spm_merges(tokens, scores), unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None)
-    )
+    # a file may list merges (converted from an HF BPE tokenizer); otherwise they follow from the scores
+    merges = [tuple(m.split(" ")) for m in md["merges"]] if md.get("merges") else spm_merges(tokens, scores)
+    tk = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None))
     prefix = md.get("add_space_prefix", True)
     tk.normalizer = None
     tk.pre_tokenizer = pre_tokenizers.Metaspace(
