@@ -204,6 +204,7 @@ def build_tokenizer(metadata: dict) -> tuple[Tokenizer, dict]:
     add_bos = bool(md["add_bos"]) if md["add_bos"] is not None else kind == "llama"
     add_eos = bool(md["add_eos"])
     tk.post_processor = _post_processor(names["bos"], ids["bos"], names["eos"], ids["eos"], add_bos, add_eos)
+    arch = _meta(metadata, "general.architecture")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": names["bos"],
@@ -213,7 +214,7 @@ def build_tokenizer(metadata: dict) -> tuple[Tokenizer, dict]:
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_meta(metadata, f"{_meta(metadata, 'general.architecture')}.context_length", 8192)),
+        "model_max_length": int(_meta(metadata, f"{arch}.context_length", 8192)),
     }
     if md["chat_template"]:
         config["chat_template"] = md["chat_template"]
