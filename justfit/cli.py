@@ -131,18 +131,17 @@ def main():
 
     maybe_reexec(sys.argv)
     try:
-        rc = app(standalone_mode=False)
+        rc = app(standalone_mode=False, prog_name="justfit")
     except KeyboardInterrupt:
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except Exception as e:
-        import click
-
-        if isinstance(e, click.ClickException):
+        # Usage errors come from the click that typer bundles: they know how to show themselves.
+        if callable(getattr(e, "show", None)) and isinstance(getattr(e, "exit_code", None), int):
             e.show()
             sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
+        if type(e).__name__ == "Abort":
             sys.exit(130)
         if os.environ.get("JUSTFIT_DEBUG"):
             raise
