@@ -21,7 +21,7 @@ enum State { RUNNABLE, AT_BARRIER, AT_SIMD, DONE };
 struct Thread {
   ucontext_t ctx;
   State state;
-  void* site;
+  long site;
   unsigned simd_gen;
   uint3 pos_grid, pos_tg, tg_pos, tg_size;
   uint index_tg, lane, sg;
@@ -112,7 +112,7 @@ static uint lanes_in(uint sg) {
 }
 
 template <class T>
-static unsigned exchange(T x, void* site) {
+static unsigned exchange(T x, long site) {
   Thread* me = cur;
   unsigned gen = me->simd_gen++;
   slot<T>(me->sg, gen, me->lane) = x;
@@ -126,24 +126,25 @@ static unsigned exchange(T x, void* site) {
 
 namespace metal {
 
-#define EMU_SITE __builtin_return_address(0)
-#define EMU_NOINLINE __attribute__((noinline))
+// Each textual call site gets its own id (the macros at the end pass __COUNTER__), so lanes
+// waiting at different simd_* calls or barriers are told apart even after inlining.
+#define EMU_NOINLINE
 
-EMU_NOINLINE inline void threadgroup_barrier(int flags = 0) {
+EMU_NOINLINE inline void threadgroup_barrier_at(int flags, long site) {
   (void)flags;
   __emu::cur->state = __emu::AT_BARRIER;
-  __emu::cur->site = EMU_SITE;
+  __emu::cur->site = site;
   __emu::yield();
 }
 
-EMU_NOINLINE inline void simdgroup_barrier(int flags = 0) {
+EMU_NOINLINE inline void simdgroup_barrier_at(int flags, long site) {
   (void)flags;
-  __emu::exchange<int>(0, EMU_SITE);
+  __emu::exchange<int>(0, site);
 }
 
 // Reductions add in a fixed butterfly order so every lane gets the same bits.
 template <class T, class Op>
-inline T simd_reduce(T x, void* site, Op op) {
+inline T simd_reduce(T x, long site, Op op) {
   unsigned g = __emu::exchange<T>(x, site);
   uint n = __emu::lanes_in(__emu::cur->sg);
   T v[32];
@@ -154,18 +155,18 @@ inline T simd_reduce(T x, void* site, Op op) {
 }
 
 template <class T>
-EMU_NOINLINE T simd_sum(T x) { return simd_reduce(x, EMU_SITE, [](T a, T b) { return T(a + b); }); }
+EMU_NOINLINE T simd_sum_at(T x, long site) { return simd_reduce(x, site, [](T a, T b) { return T(a + b); }); }
 template <class T>
-EMU_NOINLINE T simd_product(T x) { return simd_reduce(x, EMU_SITE, [](T a, T b) { return T(a * b); }); }
+EMU_NOINLINE T simd_product_at(T x, long site) { return simd_reduce(x, site, [](T a, T b) { return T(a * b); }); }
 template <class T>
-EMU_NOINLINE T simd_max(T x) { return simd_reduce(x, EMU_SITE, [](T a, T b) { return a > b ? a : b; }); }
+EMU_NOINLINE T simd_max_at(T x, long site) { return simd_reduce(x, site, [](T a, T b) { return a > b ? a : b; }); }
 template <class T>
-EMU_NOINLINE T simd_min(T x) { return simd_reduce(x, EMU_SITE, [](T a, T b) { return a < b ? a : b; }); }
-EMU_NOINLINE inline bool simd_all(bool x) { return simd_reduce<int>(x, EMU_SITE, [](int a, int b) { return a & b; }); }
-EMU_NOINLINE inline bool simd_any(bool x) { return simd_reduce<int>(x, EMU_SITE, [](int a, int b) { return a | b; }); }
+EMU_NOINLINE T simd_min_at(T x, long site) { return simd_reduce(x, site, [](T a, T b) { return a < b ? a : b; }); }
+EMU_NOINLINE inline bool simd_all_at(bool x, long site) { return simd_reduce<int>(x, site, [](int a, int b) { return a & b; }); }
+EMU_NOINLINE inline bool simd_any_at(bool x, long site) { return simd_reduce<int>(x, site, [](int a, int b) { return a | b; }); }
 
 template <class T>
-inline T simd_read(T x, void* site, long src) {
+inline T simd_read(T x, long site, long src) {
   unsigned g = __emu::exchange<T>(x, site);
   uint n = __emu::lanes_in(__emu::cur->sg);
   if (src < 0 || src >= (long)n) return x;  // inactive source lane: keep own value
@@ -173,26 +174,26 @@ inline T simd_read(T x, void* site, long src) {
 }
 
 template <class T>
-EMU_NOINLINE T simd_shuffle(T x, ushort lane) { return simd_read(x, EMU_SITE, lane); }
+EMU_NOINLINE T simd_shuffle_at(T x, ushort lane, long site) { return simd_read(x, site, lane); }
 template <class T>
-EMU_NOINLINE T simd_broadcast(T x, ushort lane) { return simd_read(x, EMU_SITE, lane); }
+EMU_NOINLINE T simd_broadcast_at(T x, ushort lane, long site) { return simd_read(x, site, lane); }
 template <class T>
-EMU_NOINLINE T simd_broadcast_first(T x) { return simd_read(x, EMU_SITE, 0); }
+EMU_NOINLINE T simd_broadcast_first_at(T x, long site) { return simd_read(x, site, 0); }
 template <class T>
-EMU_NOINLINE T simd_shuffle_xor(T x, ushort mask) {
-  return simd_read(x, EMU_SITE, long(__emu::cur->lane ^ mask));
+EMU_NOINLINE T simd_shuffle_xor_at(T x, ushort mask, long site) {
+  return simd_read(x, site, long(__emu::cur->lane ^ mask));
 }
 template <class T>
-EMU_NOINLINE T simd_shuffle_down(T x, ushort delta) {
-  return simd_read(x, EMU_SITE, long(__emu::cur->lane) + delta);
+EMU_NOINLINE T simd_shuffle_down_at(T x, ushort delta, long site) {
+  return simd_read(x, site, long(__emu::cur->lane) + delta);
 }
 template <class T>
-EMU_NOINLINE T simd_shuffle_up(T x, ushort delta) {
-  return simd_read(x, EMU_SITE, long(__emu::cur->lane) - delta);
+EMU_NOINLINE T simd_shuffle_up_at(T x, ushort delta, long site) {
+  return simd_read(x, site, long(__emu::cur->lane) - delta);
 }
 
 template <class T>
-inline T simd_prefix(T x, void* site, bool inclusive) {
+inline T simd_prefix(T x, long site, bool inclusive) {
   unsigned g = __emu::exchange<T>(x, site);
   T acc = T(0);
   uint me = __emu::cur->lane;
@@ -200,11 +201,28 @@ inline T simd_prefix(T x, void* site, bool inclusive) {
   return inclusive ? T(acc + x) : acc;
 }
 template <class T>
-EMU_NOINLINE T simd_prefix_inclusive_sum(T x) { return simd_prefix(x, EMU_SITE, true); }
+EMU_NOINLINE T simd_prefix_inclusive_sum_at(T x, long site) { return simd_prefix(x, site, true); }
 template <class T>
-EMU_NOINLINE T simd_prefix_exclusive_sum(T x) { return simd_prefix(x, EMU_SITE, false); }
+EMU_NOINLINE T simd_prefix_exclusive_sum_at(T x, long site) { return simd_prefix(x, site, false); }
 
 }  // namespace metal
+
+#define threadgroup_barrier(...) threadgroup_barrier_at(__VA_ARGS__ + 0, __COUNTER__)
+#define simdgroup_barrier(...) simdgroup_barrier_at(__VA_ARGS__ + 0, __COUNTER__)
+#define simd_sum(x) simd_sum_at(x, __COUNTER__)
+#define simd_product(x) simd_product_at(x, __COUNTER__)
+#define simd_max(x) simd_max_at(x, __COUNTER__)
+#define simd_min(x) simd_min_at(x, __COUNTER__)
+#define simd_all(x) simd_all_at(x, __COUNTER__)
+#define simd_any(x) simd_any_at(x, __COUNTER__)
+#define simd_broadcast_first(x) simd_broadcast_first_at(x, __COUNTER__)
+#define simd_prefix_inclusive_sum(x) simd_prefix_inclusive_sum_at(x, __COUNTER__)
+#define simd_prefix_exclusive_sum(x) simd_prefix_exclusive_sum_at(x, __COUNTER__)
+#define simd_shuffle(x, i) simd_shuffle_at(x, i, __COUNTER__)
+#define simd_broadcast(x, i) simd_broadcast_at(x, i, __COUNTER__)
+#define simd_shuffle_xor(x, i) simd_shuffle_xor_at(x, i, __COUNTER__)
+#define simd_shuffle_down(x, i) simd_shuffle_down_at(x, i, __COUNTER__)
+#define simd_shuffle_up(x, i) simd_shuffle_up_at(x, i, __COUNTER__)
 
 namespace __emu {
 
