@@ -75,6 +75,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, 
                     group_size=64, bits=4, rotation=None, pages_per_split=4, backend=None):
     """Attention of q [HQ, NQ, D] (NQ 1..8) over pages + recent window; [HQ, NQ, D] in q.dtype."""
     b = _pick(backend)
+    dtype = q.dtype
     page_table = page_table.astype(mx.int32)
     r_len = k_recent.shape[1]
     if rotation is not None:
@@ -92,11 +93,11 @@ def paged_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, 
             q, k_pages, v_pages, table, lengths, k_recent, v_recent, scale=scale,
             page_size=page_size, pages_per_split=pages_per_split, group_size=group_size,
             bits=bits, codebook=None if rotation is None else rotation[0], backend=b)
-        out_dtype = mx.float32 if rotation is not None else q.dtype
+        out_dtype = mx.float32 if rotation is not None else dtype
         o = attention_pass2(*parts, dtype=out_dtype, backend=b)
     if rotation is not None:
         o = reference.unrotate(o, rotation[2])
-    return o.astype(q.dtype)
+    return o.astype(dtype)
 
 
 def decode_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, **kw):
@@ -120,6 +121,7 @@ def prefill_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent
     workspace and score block stay bounded by run_pages*P columns.
     """
     b = _pick(backend)
+    dtype = q.dtype
     page_table = page_table.astype(mx.int32)
     if rotation is not None:
         q, k_recent, v_recent = _rotated_inputs(q, k_recent, v_recent, rotation)
@@ -158,7 +160,7 @@ def prefill_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent
     o = mx.where(l > 0, acc / mx.maximum(l, 1e-30), 0).reshape(hq, nq, d)
     if rotation is not None:
         o = reference.unrotate(o, rotation[2])
-    return o.astype(q.dtype)
+    return o.astype(dtype)
 
 
 def _dequant_run(pages, table, group_size, bits, rotation, b):

@@ -68,7 +68,9 @@ def seal_rotated(x, signs, codebook):
 
 def dequant_affine(codes, scales, biases, page_table, group_size, bits, dtype):
     """Pages of the table to [H, n*P, D] in dtype (the prefill workspace)."""
-    sel = (codes[page_table], scales[page_table], biases[page_table])
+    # float32 scales: the kernels compute scale * code + bias in float32 too.
+    sel = (codes[page_table], scales[page_table].astype(mx.float32),
+           biases[page_table].astype(mx.float32))
     x = mx.dequantize(*sel, group_size=group_size, bits=bits)  # [n, H, P, D]
     n, h, p, d = x.shape
     return x.transpose(1, 0, 2, 3).reshape(h, n * p, d).astype(dtype)
