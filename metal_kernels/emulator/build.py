@@ -133,14 +133,19 @@ def _header_dir(cxx: str) -> Path:
     return d
 
 
+def object_path(cpp: str) -> Path:
+    """The cached shared object for a translation unit: named by the hash of source and shim."""
+    key = hashlib.sha256((_runtime_digest() + cpp).encode()).hexdigest()[:24]
+    return cache_dir() / f"{key}.so"
+
+
 @lru_cache(maxsize=None)
 def load(cpp: str):
     """Compile (or reuse from the cache) and dlopen a translation unit; returns its emu_launch."""
     cxx = compiler()
     if cxx is None:
         raise BuildError("g++ not found: the Metal emulator needs a C++20 compiler")
-    key = hashlib.sha256((_runtime_digest() + cpp).encode()).hexdigest()[:24]
-    out = cache_dir() / f"{key}.so"
+    out = object_path(cpp)
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:

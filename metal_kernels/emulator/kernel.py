@@ -66,9 +66,9 @@ class MetalKernel:
         self.source = source
         self.header = header
 
-    def source_for(self, inputs, template, output_dtypes):
-        """(kernel name, parameters, full Metal source) for these argument types."""
-        specs = [(dtype, a.shape) for a, dtype in inputs]
+    def source_for(self, specs, template, output_dtypes):
+        """(kernel name, parameters, full Metal source) for inputs given as (dtype, shape)."""
+        specs = [(dtype, tuple(shape)) for dtype, shape in specs]
         name = signature.kernel_name(self.name, template, specs, output_dtypes)
         params = signature.parameters(
             self.source, self.input_names, specs, self.output_names, output_dtypes
@@ -76,17 +76,24 @@ class MetalKernel:
         text = signature.kernel_source(name, self.header, self.source, params, template, specs)
         return name, params, text
 
+    def cpp_for(self, specs, template, output_dtypes):
+        """The C++ translation unit the emulator compiles for these argument types."""
+        name, params, text = self.source_for(specs, template, output_dtypes)
+        targs = signature.template_text(template) if template else ""
+        return build.cpp_text(text, build.glue(name, params, targs))
+
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
                  template=None, init_value=None, verbose=False, stream=None,
                  orders=DEFAULT_ORDERS, seed=0):
         template = list(template or [])
         host = [_to_host(x) for x in inputs]
-        name, params, text = self.source_for(host, template, output_dtypes)
+        name, params, text = self.source_for([(d, a.shape) for a, d in host], template,
+                                             output_dtypes)
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{text}\n```")
-        targs = signature.template_text(template) if template else ""
         try:
-            launch = build.load(build.cpp_text(text, build.glue(name, params, targs)))
+            launch = build.load(self.cpp_for([(d, a.shape) for a, d in host], template,
+                                             output_dtypes))
         except build.BuildError as e:
             raise EmulatorError(str(e)) from None
         bufs, kinds, names = self._buffers(params, host)
