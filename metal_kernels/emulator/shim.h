@@ -20,6 +20,7 @@ typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
 typedef _Float16 half;
+typedef _Float16 float16_t;
 
 // bfloat16 as Metal has it: storage 16 bits, arithmetic in float, rounded to nearest even after each op.
 struct bfloat16_t {

@@ -19,9 +19,9 @@ TYPE_STRINGS = {
     "uint64": "uint64_t",
     "int8": "int8_t",
     "int16": "int16_t",
-    "int32": "int",
+    "int32": "int32_t",
     "int64": "int64_t",
-    "float16": "half",
+    "float16": "float16_t",
     "bfloat16": "bfloat16_t",
     "float32": "float",
 }
