@@ -6,6 +6,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 BACKENDS = ("metal", "reference", "emulator")
+PLANNED = []  # translation units recorded by backend="plan"
 
 # Walsh-Hadamard butterflies (unnormalized, Sylvester order) over D = 32 * R values, R per lane:
 # strides below R stay inside a lane, larger strides pair lane with lane ^ (stride / R).
@@ -77,4 +78,16 @@ class Kernel:
         return self._built[backend]
 
     def __call__(self, backend: str, **call):
+        if backend == "plan":
+            return self.plan(**call)
         return self.build(backend)(**call)
+
+    def plan(self, *, inputs, template=None, output_shapes, output_dtypes, **_):
+        """Record the emulator's translation unit for this call and return zeros (no run).
+
+        Lets tests collect every kernel instance first and compile them in parallel.
+        """
+        emu = self.build("emulator")
+        specs = [(x.dtype, x.shape) for x in inputs]
+        PLANNED.append(emu.cpp_for(specs, list(template or []), output_dtypes))
+        return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]

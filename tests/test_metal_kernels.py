@@ -5,15 +5,42 @@ import numpy as np
 import pytest
 
 import metal_kernels as mk
-from metal_kernels import reference as ref
+from metal_kernels import _common, reference as ref
 from metal_kernels.attention_pass1 import attention_pass1
 from metal_kernels.attention_pass2 import attention_pass2
 from metal_kernels.dequant import dequant_pages
+from metal_kernels.emulator import build
 
 from metal_cases import PAGE, case, codebook, needs_gxx, signs
 
 pytestmark = needs_gxx
 EMU = "emulator"
+
+
+SEAL_AFFINE = [(mx.float16, 32, 4, 64), (mx.bfloat16, 64, 4, 128), (mx.float32, 64, 8, 64)]
+SEAL_ROTATED = [(mx.float16, 64), (mx.bfloat16, 128), (mx.float16, 256)]
+EDGES = {"no_recent": {"recent": 0}, "no_pages": {"table": (), "q_len": 0},
+         "one_token": {"table": (1,), "q_len": 1, "recent": 0}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled():
+    """Collect every kernel instance this module runs (backend 'plan') and compile in parallel."""
+    _common.PLANNED.clear()
+    plan = "plan"
+    for dtype, group, bits, d in SEAL_AFFINE:
+        mk.seal_affine(mx.zeros((2, PAGE, d), dtype), group_size=group, bits=bits, backend=plan)
+    for dtype, d in SEAL_ROTATED:
+        mk.seal_rotated(mx.zeros((2, PAGE, d), dtype), signs(d, 3), codebook(), backend=plan)
+    cases = [case(*c) for c in ATTENTION_CASES]
+    cases += [case(f, mx.float16, 64, 2, 2, 1, 32, **e) for f in FORMATS for e in EDGES.values()]
+    for *arrays, kw in cases:
+        mk.paged_attention(*arrays, backend=plan, pages_per_split=2, **kw)
+    for fmt in FORMATS:
+        *arrays, kw = case(fmt, mx.float16, 64, 1, 3, 5, 32, recent=8)
+        mk.prefill_attention(*arrays, backend=plan, run_pages=2, **kw)
+    build.compile_many(_common.PLANNED)
+    _common.PLANNED.clear()
 
 
 def f32(x):
@@ -24,8 +51,7 @@ def tol(dtype):
     return {mx.float16: 3e-3, mx.bfloat16: 2e-2, mx.float32: 1e-5}[dtype]
 
 
-@pytest.mark.parametrize("dtype,group,bits,d", [
-    (mx.float16, 32, 4, 64), (mx.bfloat16, 64, 4, 128), (mx.float32, 64, 8, 64)])
+@pytest.mark.parametrize("dtype,group,bits,d", SEAL_AFFINE)
 def test_seal_affine_matches_mx_quantize(dtype, group, bits, d):
     x = (mx.random.normal((2, PAGE, d), key=mx.random.key(1)) * 3).astype(dtype)
     got = mk.seal_affine(x, group_size=group, bits=bits, backend=EMU)
@@ -36,7 +62,7 @@ def test_seal_affine_matches_mx_quantize(dtype, group, bits, d):
                                       f32(w) if w.dtype != mx.uint32 else np.array(w))
 
 
-@pytest.mark.parametrize("dtype,d", [(mx.float16, 64), (mx.bfloat16, 128), (mx.float16, 256)])
+@pytest.mark.parametrize("dtype,d", SEAL_ROTATED)
 def test_seal_rotated_matches_reference(dtype, d):
     x = mx.random.normal((2, PAGE, d), key=mx.random.key(2)).astype(dtype)
     s, cb = signs(d, 3), codebook()
@@ -54,6 +80,7 @@ def test_seal_rotated_matches_reference(dtype, d):
     assert float(cos.min()) > 0.9
 
 
+FORMATS = ["affine", "rotated"]
 ATTENTION_CASES = [
     # fmt, dtype, d, h, hq, nq, group
     ("affine", mx.float16, 64, 2, 2, 1, 32),  # GQA 1
@@ -80,10 +107,9 @@ def test_paged_attention_matches_reference(fmt, dtype, d, h, hq, nq, group):
 
 
 @pytest.mark.parametrize("fmt", ["affine", "rotated"])
-@pytest.mark.parametrize("edge", ["no_recent", "no_pages", "one_token"])
+@pytest.mark.parametrize("edge", list(EDGES))
 def test_paged_attention_edges(fmt, edge):
-    kwargs = {"no_recent": {"recent": 0}, "no_pages": {"table": (), "q_len": 0},
-              "one_token": {"table": (1,), "q_len": 1, "recent": 0}}[edge]
+    kwargs = EDGES[edge]
     *arrays, kw = case(fmt, mx.float16, 64, 2, 2, 1, 32, **kwargs)
     got = mk.paged_attention(*arrays, backend=EMU, pages_per_split=2, **kw)
     want = mk.paged_attention(*arrays, backend="reference", **kw)

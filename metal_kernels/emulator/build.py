@@ -133,33 +133,49 @@ def _header_dir(cxx: str) -> Path:
     return d
 
 
+def compile_many(cpps, jobs=None):
+    """Compile translation units in parallel threads (g++ runs outside the GIL); cache them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = [c for c in dict.fromkeys(cpps) if not object_path(c).exists()]
+    if todo and compiler() is not None:
+        _header_dir(compiler())
+        with ThreadPoolExecutor(jobs or os.cpu_count() or 2) as pool:
+            list(pool.map(_compile, todo))
+    return len(todo)
+
+
 def object_path(cpp: str) -> Path:
     """The cached shared object for a translation unit: named by the hash of source and shim."""
     key = hashlib.sha256((_runtime_digest() + cpp).encode()).hexdigest()[:24]
     return cache_dir() / f"{key}.so"
 
 
-@lru_cache(maxsize=None)
-def load(cpp: str):
-    """Compile (or reuse from the cache) and dlopen a translation unit; returns its emu_launch."""
+def _compile(cpp: str) -> Path:
+    """Compile one translation unit into the cache unless it is there; returns the .so path."""
     cxx = compiler()
     if cxx is None:
         raise BuildError("g++ not found: the Metal emulator needs a C++20 compiler")
     out = object_path(cpp)
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src = Path(tmp) / "kernel.cpp"
-            src.write_text(cpp)
-            so = Path(tmp) / "kernel.so"
-            r = subprocess.run(
-                [cxx, *FLAGS, f"-I{_header_dir(cxx)}", str(src), "-o", str(so)],
-                capture_output=True, text=True,
-            )
-            if r.returncode != 0:
-                raise BuildError(f"g++ failed for the kernel source:\n{r.stderr[-4000:]}")
-            os.replace(so, out)
-    lib = ctypes.CDLL(str(out))
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / "kernel.cpp"
+        src.write_text(cpp)
+        so = Path(tmp) / "kernel.so"
+        r = subprocess.run([cxx, *FLAGS, f"-I{_header_dir(cxx)}", str(src), "-o", str(so)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"g++ failed for the kernel source:\n{r.stderr[-4000:]}")
+        os.replace(so, out)
+    return out
+
+
+@lru_cache(maxsize=None)
+def load(cpp: str):
+    """Compile (or reuse from the cache) and dlopen a translation unit; returns its emu_launch."""
+    lib = ctypes.CDLL(str(_compile(cpp)))
     fn = lib.emu_launch
     fn.restype = ctypes.c_int
     fn.argtypes = [

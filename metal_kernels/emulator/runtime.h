@@ -36,7 +36,7 @@ struct Region {  // a guarded allocation: [guard][data pages][guard], data place
   int kind;  // 0 input, 1 output, 2 threadgroup, 3 stack
 };
 
-static const size_t PAGE = 4096;
+static const size_t PAGE = size_t(sysconf(_SC_PAGESIZE));  // 16 KiB on Apple Silicon
 static const size_t STACK = 128 * 1024;
 static const int SLOT = 32;
 static const size_t POISON = 16 * 1024;  // top of each fiber stack, refilled per threadgroup  // bytes per lane per simd exchange
