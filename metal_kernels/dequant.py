@@ -1,7 +1,5 @@
 """Dequantize a run of pages into a bounded workspace [H, n*P, D] for prefill attention."""
 
-import mlx.core as mx
-
 from ._common import Kernel
 
 # One thread per packed word: (page i of the run, head h, slot s, word w) writes its

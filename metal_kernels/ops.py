@@ -60,15 +60,16 @@ def _reference_kv(pages, page_table, q_len, recent, rotation, group_size, bits):
     return mx.concatenate([x[:, :q_len], recent.astype(mx.float32)], axis=1)
 
 
-def _padded(pages, page_table, k_recent, v_recent):
+def _padded(k_pages, v_pages, page_table, k_recent, v_recent):
     """Kernels need non-empty arrays: a dummy page / recent token when there is none."""
     h, r, d = k_recent.shape
     if r == 0:
         k_recent = v_recent = mx.zeros((h, 1, d), k_recent.dtype)
     if page_table.size == 0:
         page_table = mx.zeros((1,), mx.int32)
-        pages = tuple(mx.zeros((1, *p.shape[1:]), p.dtype) for p in pages)
-    return pages, page_table, k_recent, v_recent
+        k_pages, v_pages = (tuple(mx.zeros((1, *p.shape[1:]), p.dtype) for p in pages)
+                            for pages in (k_pages, v_pages))
+    return k_pages, v_pages, page_table, k_recent, v_recent
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, *, scale,
@@ -86,8 +87,8 @@ def paged_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, 
         o = reference.attention(q, k, v, scale)
     else:
         page_size = k_pages[0].shape[2]
-        k_pages, table, k_recent, _ = _padded(k_pages, page_table, k_recent, v_recent)
-        v_pages, _, _, v_recent = _padded(v_pages, page_table, k_recent, v_recent)
+        k_pages, v_pages, table, k_recent, v_recent = _padded(
+            k_pages, v_pages, page_table, k_recent, v_recent)
         lengths = mx.array([q_len, r_len], dtype=mx.int32)
         parts = attention_pass1(
             q, k_pages, v_pages, table, lengths, k_recent, v_recent, scale=scale,
@@ -102,13 +103,15 @@ def paged_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, 
 
 def decode_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, **kw):
     """One decode query per head: q [HQ, 1, D]; see paged_attention."""
-    assert q.shape[1] == 1, "decode takes one query per head"
+    if q.shape[1] != 1:
+        raise ValueError(f"decode takes one query per head, got {q.shape[1]}")
     return paged_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, **kw)
 
 
 def verify_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, **kw):
     """2..8 draft queries per head sharing one page scan, causal among themselves."""
-    assert 1 <= q.shape[1] <= 8, "verify takes 1..8 queries per head"
+    if not 1 <= q.shape[1] <= 8:
+        raise ValueError(f"verify takes 1..8 queries per head, got {q.shape[1]}")
     return paged_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, **kw)
 
 

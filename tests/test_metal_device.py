@@ -8,7 +8,7 @@ import pytest
 
 import metal_kernels as mk
 
-from metal_cases import case
+from metal_kernels.testing import case
 
 pytestmark = [
     pytest.mark.metal,

@@ -7,7 +7,7 @@ import pytest
 import metal_kernels as mk
 from metal_kernels import reference as ref
 
-from metal_cases import case, codebook, signs
+from metal_kernels.testing import case, codebook, signs
 
 
 def test_backend_defaults_to_what_the_machine_has(monkeypatch):

@@ -9,9 +9,9 @@ from metal_kernels._common import Kernel
 from metal_kernels.attention_pass1 import _pass1_affine
 from metal_kernels.emulator import EmulatorError, build, metal_kernel
 
-from metal_cases import case, needs_gxx
+from metal_kernels.testing import NO_GXX, case
 
-pytestmark = needs_gxx
+pytestmark = pytest.mark.skipif(not emulator.available(), reason=NO_GXX)
 
 # A threadgroup sum through shared memory; BARRIER is where a barrier belongs.
 _TG_SUM = """

@@ -5,15 +5,16 @@ import numpy as np
 import pytest
 
 import metal_kernels as mk
+from metal_kernels import emulator
 from metal_kernels import _common, reference as ref
 from metal_kernels.attention_pass1 import attention_pass1
 from metal_kernels.attention_pass2 import attention_pass2
 from metal_kernels.dequant import dequant_pages
 from metal_kernels.emulator import build
 
-from metal_cases import PAGE, case, codebook, needs_gxx, signs
+from metal_kernels.testing import NO_GXX, PAGE, case, codebook, signs
 
-pytestmark = needs_gxx
+pytestmark = pytest.mark.skipif(not emulator.available(), reason=NO_GXX)
 EMU = "emulator"
 
 
@@ -89,6 +90,7 @@ ATTENTION_CASES = [
     ("affine", mx.bfloat16, 128, 1, 3, 1, 64),
     ("affine", mx.float16, 256, 2, 2, 1, 64),
     ("affine", mx.bfloat16, 64, 1, 3, 4, 64),  # verify: 4 queries, one scan
+    ("affine", mx.float16, 128, 2, 4, 8, 32),  # verify: 8 queries, GQA 2
     ("rotated", mx.float16, 64, 2, 2, 1, 32),
     ("rotated", mx.bfloat16, 128, 1, 3, 1, 32),
     ("rotated", mx.float16, 256, 1, 8, 1, 32),

@@ -14,7 +14,7 @@ from metal_kernels import _common
 from metal_kernels.attention_pass2 import attention_pass2
 from metal_kernels.dequant import dequant_pages
 
-from metal_cases import case, codebook, signs
+from metal_kernels.testing import case, codebook, signs
 
 
 def _mlx_sources(capfd, fn, *args):

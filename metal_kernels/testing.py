@@ -1,15 +1,10 @@
-"""Shared builders for the Metal kernel tests: random pages in both formats, small shapes."""
+"""Random page pools in both formats at small shapes, for the kernel tests (and KVExec's)."""
 
 import mlx.core as mx
-import pytest
 
-from metal_kernels import emulator
-from metal_kernels import reference as ref
+from . import reference as ref
 
-needs_gxx = pytest.mark.skipif(
-    not emulator.available(), reason="g++ not found: the Metal emulator compiles kernels with g++"
-)
-
+NO_GXX = "g++ not found: the Metal emulator compiles kernels with g++"
 PAGE = 16
 
 
