@@ -216,8 +216,10 @@ def import_torch():
     return torch, transformers
 
 
-def make_backend(backend: str, model: str, device: Optional[str] = None, home=None):
-    """Build a backend by name; MLX devices are cpu or gpu (Metal/CUDA, whichever MLX has)."""
+def make_backend(backend: str, model: str, device: Optional[str] = None, home=None, kv=None):
+    """Build a backend by name; MLX devices are cpu or gpu (Metal/CUDA, whichever MLX has);
+    `kv` (a KVConfig) is the runtime's cache for backend mlx. Both MLX backends load the model
+    with justfit's loader, so they time the same weights."""
     if backend not in BACKENDS:
         raise UserError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if backend == "torch":
@@ -233,7 +235,7 @@ def make_backend(backend: str, model: str, device: Optional[str] = None, home=No
     if backend == "mlx":
         from ..runtime import Runtime
 
-        return RuntimeBackend(Runtime(model=model, home=home), model)
+        return RuntimeBackend(Runtime(model=model, kv=kv, home=home), model)
     from ..models import load
 
     m, tok = load(model, home=home)

@@ -42,6 +42,8 @@ def probe(
     refine_step: Optional[int] = typer.Option(None, "--refine-step", help="Step of the refinement (default: a quarter of the grid step)."),
     contexts: str = typer.Option("32,512", "--contexts", help="Prompt lengths in tokens, comma-separated."),
     kv: str = typer.Option("on,off", "--kv", help="KV cache on, off or on,off (off recomputes the sequence every step)."),
+    kv_bits: int = typer.Option(4, "--kv-bits", help="Backend mlx: KVExec precision with the cache on (4, 8 or 16)."),
+    kv_format: str = typer.Option("affine", "--kv-format", help="Backend mlx: 4-bit KV format (affine or rotated)."),
     warmup: int = typer.Option(3, "--warmup", help="Unrecorded runs before each budget's measured runs."),
     repeats: int = typer.Option(5, "--repeats", help="Measured end-to-end runs per budget."),
     step_runs: int = typer.Option(1, "--step-runs", help="Instrumented runs per budget (sync after every step)."),
@@ -60,20 +62,21 @@ def probe(
 
     grid = {"budgets": parse_budgets(budgets), "contexts": parse_contexts(contexts), "kv": parse_kv(kv),
             "warmup": warmup, "repeats": repeats, "step_runs": step_runs, "seed": seed}
-    report = run_probe(model, backend, device, grid, refine, refine_step)
+    from ..config import KVConfig
+    from .backends import make_backend
+
+    kv_config = KVConfig(bits=kv_bits, format=kv_format)
+    sys.stderr.write(f"loading {model} on {backend} ...\n")
+    report = run_probe(make_backend(backend, model, device, kv=kv_config), grid, refine, refine_step)
     typer.echo(write_outputs(report, out, save_map))
 
 
-def run_probe(model: str, backend: str, device: Optional[str], grid: dict, refine: bool = False,
-              refine_step: Optional[int] = None, progress=None) -> dict:
-    """Build the backend, sweep the grid (and refine), and return the probe report."""
-    from .backends import make_backend
+def run_probe(be, grid: dict, refine: bool = False, refine_step: Optional[int] = None, progress=None) -> dict:
+    """Sweep the grid on a backend (and refine around transitions); return the probe report."""
     from .report import build_report
     from .sweep import merge_records, refine_budgets, run_sweep
 
     progress = progress or Progress()
-    sys.stderr.write(f"loading {model} on {backend} ...\n")
-    be = make_backend(backend, model, device)
     args = {k: grid[k] for k in ("warmup", "repeats", "seed", "step_runs")}
     records = run_sweep(be, grid["budgets"], grid["contexts"], grid["kv"], progress=progress, **args)
     report = build_report(be, records, {**grid, "refined": []})
