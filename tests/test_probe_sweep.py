@@ -61,3 +61,72 @@ def test_bad_sweep_arguments_are_user_errors(tiny):
 
     with pytest.raises(UserError, match="MLX devices are cpu or gpu"):
         make_backend("mlx-lm", "default", "mps")
+
+
+class PlantedBackend:
+    """Returns planted latencies instead of running a model: KV-on budgets 40-55 are 6x slower."""
+
+    name, model_id, kv_name, vocab_size = "synthetic", "planted", "fp16", 1000
+    device = {"kind": "cpu", "name": "planted", "platform": "test"}
+
+    def __init__(self):
+        import numpy as np
+
+        self.rng, self.calls = np.random.default_rng(0), []
+
+    def versions(self):
+        return {}
+
+    def generate(self, ids, budget, kv):
+        self.calls.append(budget)
+        slow = 6.0 if kv and 40 <= budget < 56 else 1.0
+        return 0.01 * budget * (1 if kv else 3) * slow * float(self.rng.lognormal(0, 0.03))
+
+    def timed_steps(self, ids, budget, kv):
+        return 0.01, [0.001] * (budget - 1)
+
+
+def test_run_probe_refines_around_the_transitions():
+    from justfit.probe.cli import run_probe
+
+    be = PlantedBackend()
+    grid = {"budgets": list(range(8, 97, 8)), "contexts": [16], "kv": ["on", "off"], "warmup": 0, "repeats": 5,
+            "step_runs": 1, "seed": 1}
+    rep = run_probe(be, grid, refine=True, progress=lambda *a: None)
+    assert rep["grid"]["refined"] == [34, 36, 38, 40, 48, 50, 52, 54]
+    bad = [r for r in rep["regimes"] if r["label"] == "anomalous"]
+    assert [(r["kv"], r["onset"], r["end"], r["recovery"]) for r in bad] == [("on", 40, 54, 56)]
+    assert 5 < bad[0]["spike_ratio"] < 7.5
+    rows = {r["budget"]: r for r in rep["summary"] if r["kv"] == "on"}
+    assert rows[40]["n"] == 10 and rows[34]["n"] == 5  # anomalous budgets were measured again
+    assert rows[32]["kv_speedup"] > 2.5 and rows[48]["kv_speedup"] < 1
+
+
+def test_end_to_end_sweep_on_the_default_model(runtime16, tmp_path):
+    """The real default model through the runtime on a small grid: valid files, budgets in order,
+    recomputing without a cache slower than decoding with one (a 64-token prompt makes every
+    cache-free step a prefill, so the gap stands out of the noise of a busy machine)."""
+    import csv
+    import json
+
+    from justfit.probe.backends import RuntimeBackend
+    from justfit.probe.cli import run_probe, write_outputs
+
+    be = RuntimeBackend(runtime16, "default")
+    grid = {"budgets": [4, 2], "contexts": [64], "kv": ["on", "off"], "warmup": 0, "repeats": 2, "step_runs": 1,
+            "seed": 42}
+    rep = run_probe(be, grid, progress=lambda *a: None)
+    write_outputs(rep, tmp_path, save_map=False)
+    back = report.load_report(tmp_path / "probe.json")
+    assert back["backend"] == "mlx" and back["kv_config"] == "fp16" and back["versions"]["justfit"]
+    assert back["grid"]["budgets"] == [2, 4]
+    assert [(r["kv"], r["budget"]) for r in back["summary"]] == [("on", 2), ("on", 4), ("off", 2), ("off", 4)]
+    assert len(list(csv.DictReader(open(tmp_path / "probe.csv")))) == 4
+    assert (tmp_path / "probe.png").read_bytes()[:4] == b"\x89PNG"
+    rows = {(r["kv"], r["budget"]): r for r in back["summary"]}
+    assert rows[("off", 4)]["median_s"] > 1.3 * rows[("off", 2)]["median_s"]  # twice the prefills
+    assert rows[("off", 4)]["median_s"] > 1.3 * rows[("on", 4)]["median_s"]
+    assert rows[("on", 4)]["kv_speedup"] == rows[("off", 4)]["kv_speedup"] > 1.3
+    assert rows[("off", 4)]["decode_step_median_s"] > 2 * rows[("on", 4)]["decode_step_median_s"]
+    raw = {(r["kv"], r["budget"]): r for r in json.loads((tmp_path / "probe.json").read_text())["raw"]}
+    assert [len(raw[("on", 4)]["step_s"][0]), len(raw[("off", 2)]["step_s"][0])] == [3, 1]
