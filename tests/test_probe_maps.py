@@ -49,3 +49,19 @@ def test_corrupt_map_never_fails_a_generation(tmp_path):
     assert reserved == 64 and note.startswith("probe map ignored:")
     assert maps.list_maps(tmp_path) == []
     assert report.validate({"format": "other"}) is not None
+
+
+def test_map_saved_for_a_runtimes_key_steers_that_runtime(runtime16, tmp_path):
+    from types import SimpleNamespace
+
+    from justfit.probe.backends import mlx_device
+
+    rep = synthetic_report(plateau=(480, 560, 6.0))
+    rep.update(device=mlx_device(), backend="mlx", model=runtime16.model_spec, kv_config=runtime16.kv.name)
+    maps.save_map(rep, tmp_path)
+    rt = SimpleNamespace(home=tmp_path, model_spec=runtime16.model_spec, kv=runtime16.kv)  # the map's home
+    assert maps.runtime_key(rt) == maps.key_of(rep)
+    reserved, note = maps.steer_runtime(rt, 40, 500)
+    assert reserved == 576 and "stopping at 500" in note
+    other = SimpleNamespace(home=tmp_path, model_spec=runtime16.model_spec, kv=type(runtime16.kv)(bits=4))
+    assert maps.steer_runtime(other, 40, 500) == (500, None)  # another KV config has no map

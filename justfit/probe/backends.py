@@ -155,7 +155,9 @@ class TorchBackend:
             raise UserError("torch reports no CUDA device here; pass --device cpu")
         self.torch, self.model_id, self.kv_name = torch, model_id, "transformers"
         try:
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(model_id, torch_dtype=getattr(torch, dtype))
+            major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+            arg = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(model_id, **{arg: getattr(torch, dtype)})
         except OSError as e:
             raise UserError(f"could not load {model_id!r} with transformers: {str(e).splitlines()[0]}") from None
         self.model.to(device).eval()

@@ -118,3 +118,8 @@ def steer_budget(home, key: MapKey, context_tokens: int, budget: int, kv: str = 
     if report is None:
         return budget, None
     return steer(report, context_tokens, budget, kv)
+
+
+def steer_runtime(runtime, context_tokens: int, budget: int) -> Tuple[int, Optional[str]]:
+    """steer_budget for a JustFit Runtime: its home, and the map key of its device, model and KV."""
+    return steer_budget(runtime.home, runtime_key(runtime), context_tokens, budget)
