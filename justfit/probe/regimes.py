@@ -21,6 +21,8 @@ Method (one series = one context and one KV setting, latencies of `repeats` runs
    onset (first anomalous budget), recovery (first normal budget after it, None if the grid ends
    first), peak budget and spike ratio (peak level / baseline there). The KV speedup of a budget
    is median latency without cache / median latency with cache at the same context.
+
+Series of fewer than three budgets have no neighbours to compare with: nothing is flagged there.
 """
 
 from dataclasses import asdict, dataclass

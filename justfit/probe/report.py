@@ -20,13 +20,15 @@ CSV_FIELDS = ("context", "kv", "budget", "n", "median_s", "mad_s", "min_s", "max
 
 def _summary(records: List[dict], detection: dict) -> List[dict]:
     """One row per (context, kv, budget): level, spread, detector verdict, step timings, KV speedup."""
-    med = {(r["context"], r["kv"], r["budget"]): float(np.median(r["e2e_s"])) for r in records}
+    med = {}
+    for r in records:
+        med.setdefault((r["context"], r["kv"]), {})[r["budget"]] = float(np.median(r["e2e_s"]))
+    speedup = {ctx: rg.kv_speedup(med.get((ctx, "on"), {}), med.get((ctx, "off"), {})) for ctx, _ in med}
     rows = []
     for r in records:
         lab = {x.budget: x for x in detection["labels"][(r["context"], r["kv"])]}[r["budget"]]
         e2e = np.asarray(r["e2e_s"])
         steps = np.concatenate([np.asarray(s, dtype=float) for s in r["step_s"]]) if r["step_s"] else np.array([])
-        on, off = med.get((r["context"], "on", r["budget"])), med.get((r["context"], "off", r["budget"]))
         rows.append({
             "context": r["context"], "kv": r["kv"], "budget": r["budget"], "n": int(e2e.size),
             "median_s": float(np.median(e2e)), "mad_s": float(np.median(np.abs(e2e - np.median(e2e)))),
@@ -35,7 +37,7 @@ def _summary(records: List[dict], detection: dict) -> List[dict]:
             "prefill_s": float(np.median(r["prefill_s"])) if r["prefill_s"] else None,
             "decode_step_median_s": float(np.median(steps)) if steps.size else None,
             "decode_step_max_s": float(steps.max()) if steps.size else None,
-            "kv_speedup": off / on if on and off else None,
+            "kv_speedup": speedup[r["context"]].get(r["budget"]),
         })
     return rows
 
