@@ -47,7 +47,12 @@ def draw_panel(ax, report: dict, context: int, legend: bool = True):
                 shaded = True
     lows = [r["min_s"] for kv in kvs for r in series_rows(report, context, kv)]
     if lows and top / max(min(lows), 1e-9) > 20:
+        from matplotlib.ticker import FuncFormatter
+
         ax.set_yscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 30, not 3x10^1
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
     ax.set_xlabel("decode budget (max new tokens)")
     ax.set_ylabel("end-to-end generate latency (s)")
     ax.set_title(f"context {context} tokens", fontsize=10)
