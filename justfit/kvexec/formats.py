@@ -14,6 +14,9 @@ import mlx.core as mx
 from . import rotation
 
 _SHIFTS4 = None
+# With at least this many query rows per KV head, dequantizing a page run and using a float GEMM beats
+# MLX's quantized matmul (no BLAS behind it on CPU); the run is bounded, so the workspace stays bounded.
+DEQUANT_ROWS = 16
 
 
 def _pad(x: mx.array, d: int) -> mx.array:
@@ -72,9 +75,13 @@ class AffineCodec:
         return _pad(q, self.dim)
 
     def scores(self, qc, parts):
+        if qc.shape[-2] >= DEQUANT_ROWS:  # many queries (prefill): dequantize this run once, then GEMM
+            return qc @ mx.dequantize(*parts, **self._q()).swapaxes(-1, -2)
         return mx.quantized_matmul(qc, *parts, transpose=True, **self._q())
 
     def mix(self, p, parts):
+        if p.shape[-2] >= DEQUANT_ROWS:
+            return p @ mx.dequantize(*parts, **self._q())
         return mx.quantized_matmul(p, *parts, transpose=False, **self._q())
 
     def finish(self, o):
@@ -116,8 +123,8 @@ class RotatedCodec:
         return pack4(codes), norm.astype(mx.float16)
 
     def levels(self, packed):
-        """Codebook values c[codes] in rotated space, float32 [..., Dp]."""
-        return self.codebook[unpack4(packed)]
+        """Codebook values c[codes] in rotated space, float32 [..., Dp] (fused; a gather is 3x slower on CPU)."""
+        return rotation.level_fn(self.dim)(packed)
 
     def decode(self, parts):
         packed, norm = parts
