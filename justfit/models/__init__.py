@@ -1,0 +1,6 @@
+"""Model loading: mlx-lm folders, HF repo ids, GGUF import and the embedded default model."""
+
+from .load import backend, load, weight_policy
+from .registry import default_model, import_gguf, list_models, resolve
+
+__all__ = ["load", "backend", "weight_policy", "resolve", "import_gguf", "default_model", "list_models"]

@@ -1,0 +1,81 @@
+"""Load a model like mlx_lm.load, for any spec JustFit accepts, in the fastest safe dtype."""
+
+import os
+
+from ..errors import UserError
+from .registry import resolve
+
+WEIGHT_POLICIES = ("auto", "fp32", "quantized")
+
+
+def backend() -> str:
+    """'metal', 'cuda' or 'cpu': the device MLX computes on."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def weight_policy(model) -> str:
+    """fp32 on CPU when the dequantized weights take at most a quarter of RAM (MLX CPU quantized
+    matmul is slow and skips BLAS); else keep weights as stored. JUSTFIT_WEIGHTS overrides."""
+    choice = os.environ.get("JUSTFIT_WEIGHTS", "auto")
+    if choice not in WEIGHT_POLICIES:
+        raise UserError(f"JUSTFIT_WEIGHTS must be one of {', '.join(WEIGHT_POLICIES)}, not {choice!r}")
+    if choice != "auto":
+        return choice
+    if backend() != "cpu":
+        return "quantized"
+    import psutil
+
+    return "fp32" if _float32_bytes(model) <= psutil.virtual_memory().total // 4 else "quantized"
+
+
+def _float32_bytes(model) -> int:
+    """Bytes the model's weights would take dequantized to float32."""
+    from mlx.utils import tree_flatten
+
+    n = sum(v.size for k, v in tree_flatten(model.parameters()) if not k.endswith((".scales", ".biases")))
+    for _, m in model.named_modules():
+        if hasattr(m, "bits") and "scales" in m:  # packed uint32 words hold 32/bits values each
+            n += m.weight.size * (32 // m.bits - 1)
+    return 4 * n
+
+
+def _to_float32(model) -> None:
+    """Cast every floating parameter to float32 (CPU kernels for fp16/bf16 are 7-40x slower)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    floats = (mx.float16, mx.bfloat16)
+    model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in floats else p, model.parameters()))
+
+
+def load(spec: str = "default", home=None, weights: str = None):
+    """(model, tokenizer) for 'default', an mlx-lm folder, a .gguf or an HF repo id."""
+    import mlx.core as mx
+    from mlx_lm.utils import dequantize_model
+    from mlx_lm.utils import load as mlx_load
+
+    path = resolve(spec, home)
+    try:
+        model, tokenizer = mlx_load(path)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise UserError(f"could not load model {spec!r}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # huggingface_hub errors (offline, unknown repo) have no common base here
+        if type(e).__module__.startswith(("huggingface_hub", "requests", "urllib3")):
+            raise UserError(f"could not fetch {spec!r} from the Hugging Face hub: {str(e).splitlines()[0]}") from None
+        raise
+    policy = weights or weight_policy(model)
+    if policy == "fp32":
+        dequantize_model(model)
+    if backend() == "cpu":
+        _to_float32(model)
+    mx.eval(model.parameters())
+    model.justfit_weights = policy
+    model.justfit_path = path
+    return model, tokenizer

@@ -1,0 +1,139 @@
+"""Runtime: owns the model, its KV caches and (later) sessions and residency; generates text."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Union
+
+from .config import KVConfig, home as home_dir
+from .errors import UserError
+
+Prompt = Union[str, List[dict]]
+
+
+@dataclass
+class Chunk:
+    """One streamed piece: the new text (may be empty mid-character) and the token id
+    (-1 for the final flush of text held back by the detokenizer)."""
+
+    text: str
+    token: int
+
+
+@dataclass
+class Generation:
+    """A finished generation: text, token ids and stats (prompt_tokens, reused_tokens, prefill_s,
+    ttft_s, decode_tok_s, peak_memory_bytes, generated_tokens, finish_reason)."""
+
+    text: str
+    tokens: List[int]
+    stats: dict = field(default_factory=dict)
+
+
+def _check_budget(memory_budget):
+    """Bytes (int) or a fraction of physical memory (0 < float <= 1); None means no budget."""
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, float) and 0 < memory_budget <= 1:
+        import psutil
+
+        return int(memory_budget * psutil.virtual_memory().total)
+    if isinstance(memory_budget, int) and memory_budget > 0:
+        return memory_budget
+    raise UserError(f"memory_budget must be bytes > 0 or a fraction in (0, 1], not {memory_budget!r}")
+
+
+class Runtime:
+    """A loaded model plus its KV configuration; generate() and stream() run one turn each."""
+
+    def __init__(self, model="default", kv: Optional[KVConfig] = None, memory_budget=None, home=None,
+                 avoid_regimes: bool = False):
+        from .models import load
+
+        self.kv = kv or KVConfig()
+        self.home = home_dir(home)
+        self.memory_budget = _check_budget(memory_budget)
+        self.avoid_regimes = avoid_regimes
+        self.model_spec = model
+        self.model, self.tokenizer = load(model, home=self.home)
+        self.last_stats: dict = {}
+
+    # -- tokens -------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> List[int]:
+        """Token ids of a prompt: messages (or a plain string as one user message) through the
+        chat template when the tokenizer has one, else the raw text."""
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+            messages = prompt
+        else:
+            raise UserError("prompt must be a string or a list of {'role', 'content'} messages")
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(tok.encode(text, add_special_tokens=False))
+        text = "\n".join(m.get("content", "") for m in messages)
+        return list(tok.encode(text))
+
+    def make_cache(self) -> list:
+        """Per-layer KV caches (KVExec) usable by mlx_lm.generate(..., prompt_cache=caches)."""
+        from .kvexec import make_cache
+
+        return make_cache(self.model, self.kv)
+
+    # -- generation ---------------------------------------------------------------------------
+    def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
+               seed: Optional[int] = None, top_p: float = 1.0) -> Iterator[Chunk]:
+        """Yield Chunks as tokens are generated; stats of the turn land in self.last_stats."""
+        tokens = self.encode(prompt)
+        yield from self.stream_tokens(tokens, self.make_cache(), max_tokens, temperature, seed, top_p)
+
+    def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
+                 seed: Optional[int] = None, top_p: float = 1.0) -> Generation:
+        """Generate a whole reply; same arguments as stream()."""
+        chunks = list(self.stream(prompt, max_tokens, temperature, seed, top_p))
+        tokens = [c.token for c in chunks if c.token >= 0]
+        return Generation("".join(c.text for c in chunks), tokens, dict(self.last_stats))
+
+    def stream_tokens(self, tokens: List[int], cache: list, max_tokens: int = 256,
+                      temperature: float = 0.0, seed: Optional[int] = None, top_p: float = 1.0,
+                      reused_tokens: int = 0) -> Iterator[Chunk]:
+        """Prefill `tokens` not yet in `cache` (all but the first `reused_tokens`) then decode."""
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.sample_utils import make_sampler
+
+        if max_tokens < 1:
+            raise UserError(f"max_tokens must be at least 1, not {max_tokens}")
+        if not 0 <= reused_tokens < len(tokens):
+            raise ValueError("reused_tokens must leave at least one token to prefill")
+        if seed is not None:
+            mx.random.seed(seed)
+        sampler = make_sampler(temp=temperature, top_p=top_p)
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        eos = set(self.tokenizer.eos_token_ids)
+        stats = {"prompt_tokens": len(tokens), "reused_tokens": reused_tokens, "generated_tokens": 0,
+                 "finish_reason": "length"}
+        self.last_stats = stats
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        steps = generate_step(mx.array(tokens[reused_tokens:]), self.model, max_tokens=max_tokens,
+                              sampler=sampler, prompt_cache=cache)
+        first = None
+        for n, (token, _) in enumerate(steps):
+            if first is None:
+                first = time.perf_counter()
+                stats["ttft_s"] = stats["prefill_s"] = first - start
+            if token in eos:
+                stats["finish_reason"] = "stop"
+                break
+            stats["generated_tokens"] = n + 1
+            detok.add_token(token)
+            elapsed = time.perf_counter() - first
+            stats["decode_tok_s"] = n / elapsed if n else 0.0
+            stats["peak_memory_bytes"] = mx.get_peak_memory()
+            yield Chunk(detok.last_segment, token)
+        detok.finalize()
+        stats["peak_memory_bytes"] = mx.get_peak_memory()
+        if detok.last_segment:
+            yield Chunk(detok.last_segment, -1)

@@ -1,0 +1,41 @@
+"""OpenBLAS preload changes speed, not answers: same greedy tokens, logits within tolerance."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from justfit.blas import openblas_path, reference_blas_bundled
+
+SCRIPT = """
+import json, sys
+import mlx.core as mx
+import justfit
+from justfit.blas import active_blas
+from justfit.models import load
+model, tok = load(sys.argv[1])
+ids = tok.encode("The quick brown fox jumps over the lazy dog. In Paris,")
+logits = model(mx.array([ids]))[0, -1]
+toks = []
+for _ in range(8):
+    toks.append(int(mx.argmax(model(mx.array([ids + toks]))[0, -1])))
+print(json.dumps({"blas": active_blas(), "tokens": toks, "logits": logits.tolist()}))
+"""
+
+
+@pytest.mark.skipif(not reference_blas_bundled() or openblas_path() is None,
+                    reason="needs MLX's Linux CPU wheel and Debian's OpenBLAS (libopenblas0-pthread)")
+def test_same_greedy_tokens_with_and_without_openblas(default_model_dir):
+    runs = {}
+    for preload in (openblas_path(), ""):
+        env = dict(os.environ, LD_PRELOAD=preload, JUSTFIT_BLAS_REEXEC="1")
+        out = subprocess.run([sys.executable, "-c", SCRIPT, str(default_model_dir)], env=env,
+                             capture_output=True, text=True, check=True).stdout
+        runs[preload != ""] = json.loads(out.strip().splitlines()[-1])
+    fast, slow = runs[True], runs[False]
+    assert fast["blas"] == "openblas" and slow["blas"].startswith("reference")
+    assert fast["tokens"] == slow["tokens"]
+    diff = max(abs(a - b) for a, b in zip(fast["logits"], slow["logits"]))
+    assert diff < 1e-3, f"logits differ by {diff}"  # fp32 summation order only
