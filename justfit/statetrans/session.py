@@ -33,7 +33,7 @@ class Session:
         self.messages: List[dict] = [dict(m) for m in messages]
         self.parent, self.created = parent, created or time.time()
         self.checkpoint_every = checkpoint_every
-        self.persist, self.closed = True, False
+        self.persist, self.closed, self.dirty = True, False, False
         self.last_stats: dict = {}
         self.restore_s = 0.0
 
@@ -80,6 +80,7 @@ class Session:
         if not delta:
             raise UserError("nothing to generate from: the new turn renders to no tokens")
         self.tokens += delta
+        self.dirty = True
         for m in new_msgs:
             m["end"] = len(self.tokens)
         reused = self.index.extend(self.seq, self.tokens, limit=len(self.tokens) - 1,
@@ -188,7 +189,7 @@ class Session:
         if not isinstance(n_tokens, int) or not 0 <= n_tokens <= len(self.tokens):
             raise UserError(f"rewind needs 0..{len(self.tokens)} tokens, not {n_tokens!r}")
         keep = len(self.tokens) - n_tokens
-        self.tokens = self.tokens[:keep]
+        self.tokens, self.dirty = self.tokens[:keep], True
         self._trim_kv(keep)
         self.messages = [m for m in self.messages if m["end"] <= keep]
 
@@ -230,7 +231,7 @@ class Session:
                 warn(f"session {self.name!r}: {err}")
             self.persist = False
             return {"checkpoint_s": time.perf_counter() - start, "disk_bytes_written": 0}
-        self.persist = True
+        self.persist, self.dirty = True, self.dirty and not manifest
         return {"checkpoint_s": time.perf_counter() - start, "disk_bytes_written": written}
 
     def _manifest(self, published) -> Manifest:
@@ -244,7 +245,8 @@ class Session:
         """Checkpoint and release this session's pages (the prefix index may keep them in memory)."""
         if self.closed:
             return
-        self.checkpoint(auto=True)
+        if self.dirty:
+            self.checkpoint(auto=True)
         self.seq.release()
         self.closed = True
 
