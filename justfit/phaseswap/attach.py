@@ -1,6 +1,8 @@
 """How a Runtime uses PhaseSwap: build its residency manager and drafter, and run its turns phased."""
 
-from .budget import Budget
+import os
+
+from .budget import Budget, parse_budget
 from .components import Component, model_components
 from .drafting import DraftModel, Gate, PromptLookup, load_draft_model
 from .residency import Residency
@@ -9,6 +11,8 @@ from .residency import Residency
 def attach(rt, draft_model=None, drafter: str = "prompt-lookup"):
     """Give `rt` a residency manager (`rt.phaseswap`) over its model's components, check the loaded
     model fits the budget, and set up the drafter: a draft model (spec or model object) or prompt lookup."""
+    if rt.memory_budget is None:  # the same default `justfit info` shows
+        rt.memory_budget = parse_budget(os.environ.get("JUSTFIT_MEMORY_BUDGET"))
     rt.phaseswap = Residency(Budget(rt.memory_budget))
     rt.phaseswap.add_all(model_components(rt.model))
     rt.drafter, rt.gate = None, Gate()
