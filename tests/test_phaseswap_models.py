@@ -47,11 +47,12 @@ def saved_quantized(tmp_path, tied):
     return loaded
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_components_split_and_reload_bit_identical(tmp_path, tied):
+@pytest.mark.parametrize("tied,spill", [(True, False), (False, False), (True, True)])
+def test_components_split_and_reload_bit_identical(tmp_path, tied, spill):
     m = saved_quantized(tmp_path, tied)
     before = {k: mx.array(v) for k, v in tree_flatten(m.parameters())}
-    comps = {c.name: c for c in model_components(m, layers_per_group=2)}
+    root = tmp_path / "spill" if spill else None
+    comps = {c.name: c for c in model_components(m, layers_per_group=2, spill_root=root)}
     assert tied_embeddings(m) == tied
     if tied:  # one tensor, two roles, counted once
         assert set(comps["embed"].roles) == {"input-embedding", "lm-head"} and "lm_head" not in comps
@@ -70,6 +71,8 @@ def test_components_split_and_reload_bit_identical(tmp_path, tied):
     r.enter("prefill")  # the head is not needed for intermediate prefill chunks
     assert comps["embed"].resident and (tied or not comps["lm_head"].resident)
     r.enter("decode")
+    if spill:  # released weights were kept as loaded: reload reads them, no dequantize
+        assert len(list((tmp_path / "spill" / "weights").glob("*/*.safetensors"))) == len(comps)
     after = dict(tree_flatten(m.parameters()))
     for k, v in before.items():
         assert after[k].dtype == v.dtype and mx.array_equal(after[k], v).item(), k

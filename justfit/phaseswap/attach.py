@@ -14,11 +14,13 @@ def attach(rt, draft_model=None, drafter: str = "prompt-lookup"):
     if rt.memory_budget is None:  # the same default `justfit info` shows
         rt.memory_budget = parse_budget(os.environ.get("JUSTFIT_MEMORY_BUDGET"))
     rt.phaseswap = Residency(Budget(rt.memory_budget))
-    rt.phaseswap.add_all(model_components(rt.model))
+    spill = None if os.environ.get("JUSTFIT_WEIGHT_SPILL") == "0" else rt.home / "spill"
+    rt.phaseswap.add_all(model_components(rt.model, spill_root=spill))
     rt.drafter, rt.gate = None, Gate()
     if draft_model is not None:
         dm = draft_model if not isinstance(draft_model, str) else load_draft_model(draft_model, rt.tokenizer, rt.home)
-        comp = model_components(dm, prefix="draft/", kind_override="draft-model", roles_override=("drafter",))
+        comp = model_components(dm, prefix="draft/", kind_override="draft-model", roles_override=("drafter",),
+                                spill_root=spill)
         rt.phaseswap.add_all(comp)
         rt.drafter = DraftModel(dm, comp[0].name)
     elif drafter == "prompt-lookup":

@@ -94,24 +94,65 @@ class WeightSource:
         return out
 
 
-def weight_component(model, source: WeightSource, name: str, kind: str, prefixes: Tuple[str, ...],
-                     roles: Tuple[str, ...]) -> Component:
-    """A component over every parameter whose name starts with one of `prefixes`."""
+def spill_folder(model, root) -> Optional[Path]:
+    """Where released weights are kept as loaded (float32): root/weights/<hash of the folder's files>.
+    A changed model folder gets a new hash, so a stale copy is never read."""
+    import hashlib
+
+    path = Path(getattr(model, "justfit_path", "") or "")
+    if root is None or not path.is_dir():
+        return None
+    h = hashlib.sha256(str(path.resolve()).encode())
+    for f in sorted(path.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return Path(root) / "weights" / h.hexdigest()[:16]
+
+
+def _weight_component(model, source: WeightSource, name: str, kind: str, prefixes: Tuple[str, ...],
+                     roles: Tuple[str, ...], spill: Optional[Path] = None) -> Component:
+    """A component over every parameter whose name starts with one of `prefixes`. With `spill`, the
+    first release writes the tensors as loaded (one read, no dequantize, on reload); else reload
+    re-derives them from the model folder."""
+    import os
+
     import mlx.core as mx
-    from mlx.utils import tree_unflatten
+    from mlx.utils import tree_flatten, tree_unflatten
 
     names = [k for k in source.params if k.startswith(prefixes)]
     nbytes = sum(_numel(source.params[k][0]) * source.params[k][1].size for k in names)
+    file = spill / f"{name.replace('/', '_')}.safetensors" if spill is not None else None
 
     def unload():
+        if file is not None and not file.exists():
+            params = dict(tree_flatten(model.parameters()))
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_suffix(f".tmp{os.getpid()}.safetensors")
+            mx.save_safetensors(str(tmp), {k: params[k] for k in names})
+            os.replace(tmp, file)  # atomic: a torn write never looks like a valid copy
         model.update(tree_unflatten([(k, _empty()) for k in names]))
 
     def load():
-        arrays = source.fetch(names)
+        arrays = _read_spill(file, names, source.params) if file is not None and file.exists() else None
+        arrays = arrays or source.fetch(names)
         mx.eval([a for _, a in arrays])
         model.update(tree_unflatten(arrays))
 
     return Component(name, kind, nbytes, load, unload, roles=roles, releasable=source.can_reload(names))
+
+
+def _read_spill(file: Path, names, params):
+    """[(name, array)] from a weight spill file, or None when it does not match (then re-derive)."""
+    import mlx.core as mx
+
+    try:
+        tensors = mx.load(str(file))
+    except Exception:
+        return None
+    if set(tensors) != set(names) or any(tuple(tensors[k].shape) != tuple(params[k][0]) or tensors[k].dtype != params[k][1]
+                                         for k in names):
+        return None
+    return [(k, tensors[k]) for k in names]
 
 
 def _numel(shape) -> int:
@@ -135,12 +176,18 @@ def tied_embeddings(model) -> bool:
 
 
 def model_components(model, prefix: str = "", layers_per_group: int = 6, kind_override: Optional[str] = None,
-                     roles_override: Optional[Tuple[str, ...]] = None) -> List[Component]:
+                     roles_override: Optional[Tuple[str, ...]] = None, spill_root=None) -> List[Component]:
     """Split an mlx-lm model into components: embedding (+ head role when tied), layer groups, norm,
-    separate LM head. Unrecognized architectures give one `weights` component with every role."""
+    separate LM head. Unrecognized architectures give one `weights` component with every role.
+    `spill_root`: folder for float32 copies of released weights (fast reload), None to re-derive."""
     source = WeightSource(model)
     body = _body(model)
     p = prefix
+    spill = spill_folder(model, spill_root)
+
+    def weight_component(*args):
+        return _weight_component(*args, spill=spill)
+
     if body is None or kind_override:
         roles = roles_override or ("input-embedding", "layers", "norm", "lm-head")
         return [weight_component(model, source, f"{p}weights", kind_override or "layers", ("",), roles)]
