@@ -108,6 +108,8 @@ def mlx_lm_turns(rt, workload, tokens, tool_mb, tool_s, rows):
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
+    rt.phaseswap.enter("decode")  # everything resident (a JustFit tool phase may have released it) ...
+    rt.phaseswap.enter("idle")  # ... and unleased: mlx-lm then calls rt.model directly
     cache, history, eos = make_prompt_cache(rt.model), [], set(rt.tokenizer.eos_token_ids)
     cached = []
     for turn, text in enumerate(WORKLOADS[workload]):
