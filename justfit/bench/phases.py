@@ -60,10 +60,15 @@ def run_tool(mb: int, seconds: float):
     del buf
 
 
-def cold_read_s(folder: str) -> float:
-    """Seconds to read the model's safetensors bytes after evicting them from the page cache."""
+def cold_read_s(rt) -> float:
+    """Seconds to read the bytes a reload reads (the released-weight copies, else the model files)
+    after evicting them from the page cache."""
     import mlx.core as mx
 
+    from ..phaseswap.components import spill_folder
+
+    spill = spill_folder(rt.model, rt.home / "spill")
+    folder = str(spill) if spill is not None and spill.is_dir() else rt.model.justfit_path
     files = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors")]
     for f in files:
         fd = os.open(f, os.O_RDONLY)
@@ -185,13 +190,13 @@ def phases(
 
     rt = Runtime(model=model)
     rows = []
-    cold = cold_read_s(rt.model.justfit_path)
     for w in workloads.split(","):
         print(f"[phases] {w}: mlx-lm-prompt-cache", file=sys.stderr)
         mlx_lm_turns(rt, w, tokens, tool_mb, tool_s, rows)
         for drafter in ("none", "prompt-lookup"):
             print(f"[phases] {w}: justfit drafter={drafter}", file=sys.stderr)
             justfit_turns(rt, w, drafter, tokens, tool_mb, tool_s, rows)
+    cold = cold_read_s(rt)
     for r in rows:
         if "reload_s" in r:
             r["cold_read_s"] = cold
