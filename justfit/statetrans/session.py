@@ -241,6 +241,19 @@ class Session:
                         pages, [dict(m) for m in self.messages], model=str(self.rt.model_spec),
                         parent=self.parent, created=self.created)
 
+    def tool_phase(self):
+        """`with s.tool_phase():` checkpoints this session, then PhaseSwap releases the weights while a
+        tool runs; the next generate brings them back just in time."""
+        from ..phaseswap.toolphase import tool_phase
+
+        return tool_phase(self.rt, self)
+
+    def suspend(self) -> int:
+        """Checkpoint and release the weights until the next generate; bytes released."""
+        from ..phaseswap.toolphase import suspend
+
+        return suspend(self.rt, self)
+
     def close(self):
         """Checkpoint and release this session's pages (the prefix index may keep them in memory)."""
         if self.closed:
