@@ -8,9 +8,11 @@ import typer
 
 def format_stats(stats: dict) -> str:
     """The one-line footer: prompt tokens, TTFT, decode speed, peak memory."""
+    draft = (f" | {stats['drafter']} {stats.get('accepted_tokens', 0)}/{stats.get('drafted_tokens', 0)} accepted"
+             if stats.get("drafter", "none") != "none" else "")
     return (f"[prompt {stats.get('prompt_tokens', 0)} tok, reused {stats.get('reused_tokens', 0)} | "
             f"TTFT {stats.get('ttft_s', 0.0):.2f} s | decode {stats.get('decode_tok_s', 0.0):.1f} tok/s | "
-            f"{stats.get('generated_tokens', 0)} tok | peak {stats.get('peak_memory_bytes', 0) / 1e6:.0f} MB]")
+            f"{stats.get('generated_tokens', 0)} tok | peak {stats.get('peak_memory_bytes', 0) / 1e6:.0f} MB{draft}]")
 
 
 def _reply(rt, messages: List[dict], opts: dict) -> str:
@@ -27,13 +29,22 @@ def _reply(rt, messages: List[dict], opts: dict) -> str:
     return "".join(parts)
 
 
-def one_shot(rt, prompt: str, system: Optional[str], opts: dict) -> None:
+def _residency(rt, show: bool) -> None:
+    """With --stats: resident components, their bytes and the phase (PhaseSwap)."""
+    if show:
+        from .phaseswap.residency import format_report
+
+        typer.echo(format_report(rt.residency()), err=True)
+
+
+def one_shot(rt, prompt: str, system: Optional[str], opts: dict, show_residency: bool = False) -> None:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     _reply(rt, messages, opts)
     typer.echo(format_stats(rt.last_stats), err=True)
+    _residency(rt, show_residency)
 
 
-def repl(rt, system: Optional[str], opts: dict) -> None:
+def repl(rt, system: Optional[str], opts: dict, show_residency: bool = False) -> None:
     """Interactive chat: history across turns, /reset, /stats, /exit, Ctrl-D exits."""
     try:
         import readline  # noqa: F401  (line editing and history for input())
@@ -65,3 +76,56 @@ def repl(rt, system: Optional[str], opts: dict) -> None:
             continue
         messages.append({"role": "user", "content": line})
         messages.append({"role": "assistant", "content": _reply(rt, messages, opts)})
+        if show_residency:
+            typer.echo(format_stats(rt.last_stats), err=True)
+            _residency(rt, True)
+
+
+def _show_history(session, out) -> None:
+    """Print a resumed session's earlier turns, so the user sees where the conversation stands."""
+    if not session.messages:
+        return
+    typer.echo(f"[session {session.name!r}: {len(session.messages)} earlier messages, "
+               f"{len(session.tokens)} tokens, {session.kv_tokens} restored from pages]", err=True)
+    for m in session.messages:
+        typer.echo(f"{m['role']}: {m['content']}", err=out is sys.stderr)
+
+
+def session_chat(rt, name: str, prompt: Optional[str], system: Optional[str], opts: dict,
+                 show_residency: bool = False) -> None:
+    """`justfit chat --session NAME`: resume the named session (earlier turns shown), answer `prompt`
+    or run the REPL on it; every turn is checkpointed, so a restart continues where it stopped."""
+    session = rt.session(name)
+    try:
+        _show_history(session, sys.stderr if prompt is not None else sys.stdout)
+        first = [{"role": "system", "content": system}] if system and not session.tokens else []
+        if prompt is not None:
+            _reply(session, first + [{"role": "user", "content": prompt}], opts)
+            typer.echo(format_stats(session.last_stats), err=True)
+            _residency(rt, show_residency)
+            return
+        typer.echo(f"justfit chat, session {name!r} — /reset clears it, /stats, /exit or Ctrl-D quits.", err=True)
+        while True:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                typer.echo("", err=True)
+                return
+            except KeyboardInterrupt:
+                typer.echo("", err=True)
+                continue
+            cmd = line.strip()
+            if cmd in ("/exit", "/quit"):
+                return
+            if cmd == "/reset":
+                session.rewind(len(session.tokens))
+                first = [{"role": "system", "content": system}] if system else []
+                typer.echo("[session cleared]", err=True)
+            elif cmd == "/stats":
+                typer.echo(format_stats(session.last_stats) if session.last_stats else "[no turn yet]", err=True)
+            elif cmd:
+                _reply(session, first + [{"role": "user", "content": line}], opts)
+                first = []
+                _residency(rt, show_residency)
+    finally:
+        session.close()

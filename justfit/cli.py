@@ -31,6 +31,10 @@ from .bench.cli import app as bench_app  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 
+from .statetrans.cli import app as sessions_app  # noqa: E402
+
+app.add_typer(sessions_app, name="sessions")
+
 
 class KVBits(str, Enum):
     four = "4"
@@ -55,25 +59,35 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     kv_bits: KVBits = typer.Option(KVBits.four, "--kv-bits", help="KV cache precision: 4, 8 or 16 (full)."),
     kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format."),
+    stats: bool = typer.Option(False, "--stats", help="Show resident components and the phase after each reply."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Small model with the same tokenizer for speculative decoding."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Bytes, '4GB', or a fraction/percent of RAM."),
 ):
     """Chat with a model: interactive on a terminal, one-shot with --prompt or piped stdin."""
-    from .chat import one_shot, repl
+    from .chat import one_shot, repl, session_chat
     from .config import KVConfig
     from .runtime import Runtime
 
     if session is not None:
-        raise UserError("--session needs StateTrans, which is not built yet")
+        from .statetrans.manifest import check_name
+
+        check_name(session)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read().strip()
         if not prompt:
             raise UserError("nothing to answer: stdin was empty")
     fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
-    rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt))
+    from .phaseswap import parse_budget
+
+    rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt),
+                 memory_budget=parse_budget(memory_budget), draft_model=draft_model)
     opts = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
-    if prompt is not None:
-        one_shot(rt, prompt, system, opts)
+    if session is not None:
+        session_chat(rt, session, prompt, system, opts, stats)
+    elif prompt is not None:
+        one_shot(rt, prompt, system, opts, stats)
     else:
-        repl(rt, system, opts)
+        repl(rt, system, opts, stats)
 
 
 @models_app.command("list")
@@ -108,6 +122,7 @@ def info():
     from .blas import active_blas
     from .config import home
     from .models import backend
+    from .phaseswap.budget import Budget, parse_budget
 
     be = backend()
     mem = mx.metal.device_info().get("memory_size") if be == "metal" else psutil.virtual_memory().total
@@ -120,6 +135,7 @@ def info():
         ("available memory", f"{psutil.virtual_memory().available / 2**30:.1f} GiB"),
         ("justfit", __version__), ("mlx", version("mlx")), ("mlx-lm", version("mlx-lm")),
         ("blas", active_blas()), ("weights", weights), ("JUSTFIT_HOME", str(home())),
+        ("memory budget", Budget(parse_budget(os.environ.get("JUSTFIT_MEMORY_BUDGET"))).describe()),
     ]
     for k, v in rows:
         typer.echo(f"{k:<17} {v}")

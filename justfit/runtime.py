@@ -46,8 +46,9 @@ class Runtime:
     """A loaded model plus its KV configuration; generate() and stream() run one turn each."""
 
     def __init__(self, model="default", kv: Optional[KVConfig] = None, memory_budget=None, home=None,
-                 avoid_regimes: bool = False):
+                 avoid_regimes: bool = False, draft_model=None):
         from .models import load
+        from .phaseswap.attach import attach
 
         self.kv = kv or KVConfig()
         self.home = home_dir(home)
@@ -56,6 +57,7 @@ class Runtime:
         self.model_spec = model
         self.model, self.tokenizer = load(model, home=self.home)
         self.last_stats: dict = {}
+        attach(self, draft_model)  # PhaseSwap: self.phaseswap (residency manager), self.drafter
 
     # -- tokens -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> List[int]:
@@ -78,14 +80,40 @@ class Runtime:
         """Per-layer KV caches (KVExec) usable by mlx_lm.generate(..., prompt_cache=caches)."""
         from .kvexec import make_cache
 
-        return make_cache(self.model, self.kv)
+        return make_cache(self.model, self.kv, pool=self.prefix_index().pool)
+
+    def prefix_index(self):
+        """StateTrans prefix index (shared page pool + page store) of this runtime, made on first use."""
+        if getattr(self, "_prefix_index", None) is None:
+            from .statetrans.index import PrefixIndex
+
+            self._prefix_index = PrefixIndex.for_runtime(self)
+        return self._prefix_index
+
+    def session(self, name: str, **options):
+        """Create or resume the named StateTrans session (persisted under JUSTFIT_HOME/sessions)."""
+        from .statetrans import Session
+
+        return Session.open(self, name, **options)
+
+    # -- residency (PhaseSwap) ----------------------------------------------------------------
+    def residency(self) -> dict:
+        """Resident components, their bytes, the current phase and the memory budget."""
+        return self.phaseswap.report()
+
+    def tool_phase(self, session=None):
+        """`with rt.tool_phase():` releases weights and KV while a tool runs; reloads on the next turn."""
+        from .phaseswap.toolphase import tool_phase
+
+        return tool_phase(self, session)
 
     # -- generation ---------------------------------------------------------------------------
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                seed: Optional[int] = None, top_p: float = 1.0) -> Iterator[Chunk]:
         """Yield Chunks as tokens are generated; stats of the turn land in self.last_stats."""
-        tokens = self.encode(prompt)
-        yield from self.stream_tokens(tokens, self.make_cache(), max_tokens, temperature, seed, top_p)
+        from .statetrans.reuse import stream_reusing_prefix
+
+        yield from stream_reusing_prefix(self, self.encode(prompt), max_tokens, temperature, seed, top_p)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                  seed: Optional[int] = None, top_p: float = 1.0) -> Generation:
@@ -99,8 +127,9 @@ class Runtime:
                       reused_tokens: int = 0) -> Iterator[Chunk]:
         """Prefill `tokens` not yet in `cache` (all but the first `reused_tokens`) then decode."""
         import mlx.core as mx
-        from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_sampler
+
+        from .phaseswap.attach import turn_steps
 
         if max_tokens < 1:
             raise UserError(f"max_tokens must be at least 1, not {max_tokens}")
@@ -117,8 +146,7 @@ class Runtime:
         self.last_stats = stats
         mx.reset_peak_memory()
         start = time.perf_counter()
-        steps = generate_step(mx.array(tokens[reused_tokens:]), self.model, max_tokens=max_tokens,
-                              sampler=sampler, prompt_cache=cache)
+        steps = turn_steps(self, tokens, cache, reused_tokens, max_tokens, sampler, temperature == 0, eos, stats)
         first = None
         for n, (token, _) in enumerate(steps):
             if first is None:
@@ -133,6 +161,7 @@ class Runtime:
             stats["decode_tok_s"] = n / elapsed if n else 0.0
             stats["peak_memory_bytes"] = mx.get_peak_memory()
             yield Chunk(detok.last_segment, token)
+        steps.close()  # back to the idle phase now, not when the generator is collected
         detok.finalize()
         stats["peak_memory_bytes"] = mx.get_peak_memory()
         if detok.last_segment:

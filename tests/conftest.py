@@ -22,6 +22,9 @@ def pytest_configure(config):
     if capman is not None:
         capman.resume_global_capture()
 
+# Test helper modules (statetrans_util, gguf_writer, ...) import by bare name from this folder.
+sys.path.insert(0, str(Path(__file__).parent))
+
 TEST_HOME = Path(os.environ.get("JUSTFIT_TEST_HOME", Path.home() / ".cache" / "justfit-tests"))
 
 

@@ -3,3 +3,9 @@
 import typer
 
 app = typer.Typer(help="Benchmarks against mlx-lm in the same process. --json prints one JSON object.", no_args_is_help=True)
+
+from .phases import phases  # noqa: E402
+from .sessions import sessions  # noqa: E402
+
+app.command("sessions")(sessions)
+app.command("phases")(phases)

@@ -1,0 +1,210 @@
+"""`justfit bench phases`: an agent loop with tool phases, JustFit (release + reload, drafting) vs
+mlx-lm with a prompt cache (everything stays resident). Rows per system, turn and phase."""
+
+import json
+import os
+import sys
+import threading
+import time
+
+import typer
+
+FILE = ("import os\n\n\ndef walk(root):\n    \"\"\"Yield every file under root.\"\"\"\n    for d, _, files in os.walk(root):\n"
+        "        for f in files:\n            yield os.path.join(d, f)\n\n\ndef total_size(root):\n"
+        "    return sum(os.path.getsize(p) for p in walk(root))\n")
+FIB = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\nprint(fib(10))\n"
+WORKLOADS = {  # repeat: the reply copies tool output (prompt lookup helps); novel: it does not
+    "repeat": [f"Here is a file:\n```python\n{FIB}```\nRepeat the file exactly.",
+               f"Here is another file:\n```python\n{FILE}```\nRepeat the file exactly."],
+    "novel": ["Write a short poem about the sea.", "Now write one about the mountains."],
+}
+
+
+class Sampler:
+    """Peak process RSS over a phase, sampled every 5 ms in a thread."""
+
+    def __init__(self):
+        import psutil
+
+        self.proc, self.peak, self.on = psutil.Process(), 0, False
+
+    def __enter__(self):
+        import mlx.core as mx
+
+        mx.reset_peak_memory()
+        self.peak, self.on = self.proc.memory_info().rss, True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self):
+        while self.on:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        import mlx.core as mx
+
+        self.on = False
+        self.thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.mlx_peak = mx.get_peak_memory()
+
+
+def run_tool(mb: int, seconds: float):
+    """A tool that allocates (and touches) `mb` MB, works a little, then frees it."""
+    import numpy as np
+
+    buf = np.ones(mb * 2**20 // 8)
+    time.sleep(seconds)
+    del buf
+
+
+def cold_read_s(rt) -> float:
+    """Seconds to read the bytes a reload reads (the released-weight copies, else the model files)
+    after evicting them from the page cache."""
+    import mlx.core as mx
+
+    from ..phaseswap.components import spill_folder
+
+    spill = spill_folder(rt.model, rt.home / "spill")
+    folder = str(spill) if spill is not None and spill.is_dir() else rt.model.justfit_path
+    files = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors")]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    t0 = time.perf_counter()
+    for f in files:
+        arrays = mx.load(f)
+        mx.eval(list(arrays.values()))
+        del arrays
+    return time.perf_counter() - t0
+
+
+def _decode(steps, eos):
+    toks, t_first = [], None
+    for t, _ in steps:
+        if t_first is None:
+            t_first = time.perf_counter()
+        if t in eos:
+            break
+        toks.append(t)
+    n = len(toks)
+    return toks, (n - 1) / (time.perf_counter() - t_first) if n > 1 else 0.0
+
+
+def _reuse(cache, cached, ids) -> int:
+    """Tokens of `ids` already in the cache (longest common prefix); the rest of the cache is trimmed."""
+    cached = cached + [-1] * (cache[0].offset - len(cached))  # e.g. a fed end-of-turn token
+    n = 0
+    for a, b in zip(cached, ids[:-1]):
+        if a != b:
+            break
+        n += 1
+    for c in cache:
+        c.trim(c.offset - n)
+    return n
+
+
+def mlx_lm_turns(rt, workload, tokens, tool_mb, tool_s, rows):
+    """mlx-lm generate_step with one growing prompt cache; nothing is released during tools."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    rt.phaseswap.enter("decode")  # everything resident (a JustFit tool phase may have released it) ...
+    rt.phaseswap.enter("idle")  # ... and unleased: mlx-lm then calls rt.model directly
+    cache, history, eos = make_prompt_cache(rt.model), [], set(rt.tokenizer.eos_token_ids)
+    cached = []
+    for turn, text in enumerate(WORKLOADS[workload]):
+        msgs = history + [{"role": "user", "content": text}]
+        ids = rt.encode(msgs)
+        reuse = _reuse(cache, cached, ids)
+        with Sampler() as s:
+            toks, tps = _decode(generate_step(mx.array(ids[reuse:]), rt.model, max_tokens=tokens, prompt_cache=cache), eos)
+        cached = ids + toks
+        history = msgs + [{"role": "assistant", "content": rt.tokenizer.decode(toks)}]
+        rows.append(dict(system="mlx-lm-prompt-cache", workload=workload, turn=turn, phase="decode", drafter="none",
+                         rss_bytes=s.peak, mlx_active_bytes=s.mlx_peak, decode_tok_s=tps, tokens=len(toks)))
+        with Sampler() as s:
+            run_tool(tool_mb, tool_s)
+        rows.append(dict(system="mlx-lm-prompt-cache", workload=workload, turn=turn, phase="tool",
+                         rss_bytes=s.peak, mlx_active_bytes=mx.get_active_memory()))
+
+
+def justfit_turns(rt, workload, drafter, tokens, tool_mb, tool_s, rows):
+    """JustFit: a reused cache, a tool phase between turns (weights + KV released), reload on the next turn."""
+    import mlx.core as mx
+    import psutil
+
+    from ..phaseswap.attach import add_cache, set_drafter
+
+    set_drafter(rt, drafter)
+    cache, history, proc = rt.make_cache(), [], psutil.Process()
+    add_cache(rt, f"kv:bench-{workload}-{drafter}", cache)
+    cached = []
+    for turn, text in enumerate(WORKLOADS[workload]):
+        msgs = history + [{"role": "user", "content": text}]
+        ids = rt.encode(msgs)
+        reuse = _reuse(cache, cached, ids)
+        with Sampler() as s:
+            chunks = list(rt.stream_tokens(ids, cache, max_tokens=tokens, reused_tokens=reuse))
+        st = dict(rt.last_stats)
+        toks = [c.token for c in chunks if c.token >= 0]
+        cached = ids + toks
+        history = msgs + [{"role": "assistant", "content": "".join(c.text for c in chunks)}]
+        rows.append(dict(system="justfit", workload=workload, turn=turn, phase="prefill", drafter=st["drafter"],
+                         reload_s=st["reload_s"], prefill_s=st.get("prefill_s", 0.0), prompt_tokens=len(ids) - reuse))
+        rows.append(dict(system="justfit", workload=workload, turn=turn, phase="decode", drafter=st["drafter"],
+                         rss_bytes=s.peak, mlx_active_bytes=s.mlx_peak, decode_tok_s=st.get("decode_tok_s", 0.0),
+                         acceptance=st["acceptance"], accepted_tokens=st["accepted_tokens"],
+                         drafted_tokens=st["drafted_tokens"], tokens=len(toks)))
+        rss_before, active_before = proc.memory_info().rss, mx.get_active_memory()
+        with rt.tool_phase() as released:
+            rss_released = proc.memory_info().rss
+            with Sampler() as s:
+                run_tool(tool_mb, tool_s)
+            active = mx.get_active_memory()
+        rows.append(dict(system="justfit", workload=workload, turn=turn, phase="tool", drafter=st["drafter"],
+                         rss_bytes=s.peak, mlx_active_bytes=active, released_bytes=released,
+                         rss_before_bytes=rss_before, rss_after_release_bytes=rss_released,
+                         mlx_active_before_bytes=active_before))
+    rt.phaseswap.remove(f"kv:bench-{workload}-{drafter}")
+
+
+def phases(
+    model: str = typer.Option("default", "--model", help="Model for both systems."),
+    tokens: int = typer.Option(32, "--tokens", help="Tokens generated per turn."),
+    tool_mb: int = typer.Option(300, "--tool-mb", help="MB the tool allocates during each tool phase."),
+    tool_s: float = typer.Option(0.5, "--tool-s", help="Seconds each tool runs."),
+    workloads: str = typer.Option("repeat,novel", "--workloads", help="repeat (tool output repeated) and/or novel."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+):
+    """Agent loop with tool phases: memory per phase, reload time, decode speed with and without drafting."""
+    from importlib.metadata import version
+
+    from .. import __version__
+    from ..models import backend
+    from ..runtime import Runtime
+
+    rt = Runtime(model=model)
+    rows = []
+    for w in workloads.split(","):
+        print(f"[phases] {w}: mlx-lm-prompt-cache", file=sys.stderr)
+        mlx_lm_turns(rt, w, tokens, tool_mb, tool_s, rows)
+        for drafter in ("none", "prompt-lookup"):
+            print(f"[phases] {w}: justfit drafter={drafter}", file=sys.stderr)
+            justfit_turns(rt, w, drafter, tokens, tool_mb, tool_s, rows)
+    cold = cold_read_s(rt)
+    for r in rows:
+        if "reload_s" in r:
+            r["cold_read_s"] = cold
+    out = {"bench": "phases", "model": model, "backend": backend(),
+           "versions": {"justfit": __version__, "mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
+           "rows": rows}
+    if json_out:
+        print(json.dumps(out))
+        return
+    for r in rows:
+        print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
