@@ -28,8 +28,10 @@ models_app = typer.Typer(cls=_Group, no_args_is_help=True, help="Cached models: 
 app.add_typer(models_app, name="models")
 
 from .bench.cli import app as bench_app  # noqa: E402
+from .probe.cli import probe as _probe  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
+app.command("probe")(_probe)
 
 from .statetrans.cli import app as sessions_app  # noqa: E402
 
@@ -62,6 +64,7 @@ def chat(
     stats: bool = typer.Option(False, "--stats", help="Show resident components and the phase after each reply."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Small model with the same tokenizer for speculative decoding."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Bytes, '4GB', or a fraction/percent of RAM."),
+    avoid_regimes: bool = typer.Option(False, "--avoid-regimes", help="Steer decode budgets around latency cliffs in this device's `justfit probe` map."),
 ):
     """Chat with a model: interactive on a terminal, one-shot with --prompt or piped stdin."""
     from .chat import one_shot, repl, session_chat
@@ -80,7 +83,8 @@ def chat(
     from .phaseswap import parse_budget
 
     rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt),
-                 memory_budget=parse_budget(memory_budget), draft_model=draft_model)
+                 memory_budget=parse_budget(memory_budget), draft_model=draft_model,
+                 avoid_regimes=avoid_regimes)
     opts = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     if session is not None:
         session_chat(rt, session, prompt, system, opts, stats)

@@ -122,6 +122,16 @@ class Runtime:
         tokens = [c.token for c in chunks if c.token >= 0]
         return Generation("".join(c.text for c in chunks), tokens, dict(self.last_stats))
 
+    def _steer(self, context_tokens: int, max_tokens: int, stats: dict) -> int:
+        """With avoid_regimes, the decode budget the device's probe map says is safe (>= max_tokens)."""
+        if not self.avoid_regimes:
+            return max_tokens
+        from .probe.maps import steer_runtime
+
+        reserved, note = steer_runtime(self, context_tokens, max_tokens)
+        stats.update(requested_max_tokens=max_tokens, reserved_max_tokens=reserved, steer_note=note)
+        return max(reserved, max_tokens)
+
     def stream_tokens(self, tokens: List[int], cache: list, max_tokens: int = 256,
                       temperature: float = 0.0, seed: Optional[int] = None, top_p: float = 1.0,
                       reused_tokens: int = 0) -> Iterator[Chunk]:
@@ -146,9 +156,12 @@ class Runtime:
         self.last_stats = stats
         mx.reset_peak_memory()
         start = time.perf_counter()
-        steps = turn_steps(self, tokens, cache, reused_tokens, max_tokens, sampler, temperature == 0, eos, stats)
+        budget = self._steer(len(tokens), max_tokens, stats)
+        steps = turn_steps(self, tokens, cache, reused_tokens, budget, sampler, temperature == 0, eos, stats)
         first = None
         for n, (token, _) in enumerate(steps):
+            if n >= max_tokens:  # a steered budget reserves more; the user's limit still stops us
+                break
             if first is None:
                 first = time.perf_counter()
                 stats["ttft_s"] = stats["prefill_s"] = first - start

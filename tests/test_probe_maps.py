@@ -65,3 +65,22 @@ def test_map_saved_for_a_runtimes_key_steers_that_runtime(runtime16, tmp_path):
     assert reserved == 576 and "stopping at 500" in note
     other = SimpleNamespace(home=tmp_path, model_spec=runtime16.model_spec, kv=type(runtime16.kv)(bits=4))
     assert maps.steer_runtime(other, 40, 500) == (500, None)  # another KV config has no map
+
+
+def test_runtime_with_avoid_regimes_reserves_a_steered_budget_and_stops_at_the_users_limit(runtime16):
+    from justfit.probe.backends import mlx_device
+
+    rep = synthetic_report(budgets=range(2, 33, 2), plateau=(6, 12, 6.0))
+    rep.update(device=mlx_device(), backend="mlx", model=runtime16.model_spec, kv_config=runtime16.kv.name)
+    path = maps.save_map(rep, runtime16.home)
+    try:
+        runtime16.avoid_regimes = True
+        g = runtime16.generate("Count from one to fifty in words.", max_tokens=8)
+        runtime16.avoid_regimes = False
+        ref = runtime16.generate("Count from one to fifty in words.", max_tokens=8)
+    finally:
+        runtime16.avoid_regimes = False
+        path.unlink()
+    assert g.stats["requested_max_tokens"] == 8 and g.stats["reserved_max_tokens"] > 8
+    assert g.stats["steer_note"]
+    assert len(g.tokens) <= 8 and g.tokens == ref.tokens
