@@ -49,8 +49,9 @@ def test_quality_rows_replay_through_caches():
     from mlx_lm.models.cache import make_prompt_cache
 
     ref = kv_quality._step_logits(model, make_prompt_cache(model), ids, traj)
-    systems = [("mlx-lm-fp16", None, None), ("justfit-fp16", 32, bench_kv._factory("justfit-fp16", model, 32)),
-               ("justfit-q4-rotated", 32, bench_kv._factory("justfit-q4-rotated", model, 32))]
+    systems = [("mlx-lm-fp16", None, None), ("justfit-fp16", (32, 0), bench_kv._factory("justfit-fp16", model, 32)),
+               ("justfit-q4-rotated", (32, 32), bench_kv._factory("justfit-q4-rotated", model, 32, 32))]
     rows = kv_quality.quality_rows(model, [(ids, traj, ref)], systems)
     assert rows[1]["kl"] < 1e-6 and rows[1]["ppl"] == pytest.approx(rows[1]["ppl_fp16"], rel=1e-4)
     assert rows[2]["quantized_token_fraction"] == 0.0  # 8 tokens never fill a 32-token page
+    assert rows[2]["quantized_kv_start"] == 32 and rows[2]["page_size"] == 32

@@ -21,7 +21,7 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def _factory(name: str, model, page_size: int = 256):
+def _factory(name: str, model, page_size: int = 256, sinks: int = 0):
     """A function making fresh per-layer caches of one system for `model`."""
     from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
@@ -32,9 +32,10 @@ def _factory(name: str, model, page_size: int = 256):
         return lambda: make_prompt_cache(model)
     if name == "mlx-lm-q4":
         return lambda: [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
-    kv = {"justfit-fp16": KVConfig(bits=16, page_size=page_size),
-          "justfit-q4-affine": KVConfig(bits=4, format="affine", page_size=page_size),
-          "justfit-q4-rotated": KVConfig(bits=4, format="rotated", page_size=page_size)}[name]
+    common = dict(page_size=page_size, quantized_kv_start=sinks)
+    kv = {"justfit-fp16": KVConfig(bits=16, **common),
+          "justfit-q4-affine": KVConfig(bits=4, format="affine", **common),
+          "justfit-q4-rotated": KVConfig(bits=4, format="rotated", **common)}[name]
     return lambda: make_cache(model, kv)
 
 
@@ -148,10 +149,11 @@ def run(model_spec: str, contexts, steps: int, prefill_layers: int, prompts: int
     quality = []
     if prompts > 0:
         refs = kv_quality.reference(model, tokenizer, prompts, tokens)
-        qsys = [(n, None if n.startswith("mlx-lm") else 256, None if n == "mlx-lm-fp16" else _factory(n, model))
+        qsys = [(n, None if n.startswith("mlx-lm") else (256, 0), None if n == "mlx-lm-fp16" else _factory(n, model))
                 for n in systems]
-        if stress_page:
-            qsys += [(n, stress_page, _factory(n, model, stress_page)) for n in systems if n.startswith("justfit-q4")]
+        if stress_page:  # small pages: the format itself, without (0) and with (one page) full-precision sinks
+            qsys += [(n, (stress_page, sinks), _factory(n, model, stress_page, sinks))
+                     for sinks in (0, stress_page) for n in systems if n.startswith("justfit-q4")]
         quality = kv_quality.quality_rows(model, refs, qsys)
     return {
         "bench": "kv", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
@@ -161,7 +163,8 @@ def run(model_spec: str, contexts, steps: int, prefill_layers: int, prompts: int
             "prefill": f"prefill_tok_s and peak_memory_bytes: real chunked prefill ({CHUNK}-token chunks) of random "
                        f"tokens on the model cut to its first {prefill_layers} layers (same attention shapes)",
             "quality": "teacher-forced replay of fp16 greedy trajectories through each cache's decode path; "
-                       "rows with page_size 32 stress the quantized format (only the last <32 tokens stay full precision)",
+                       "rows with page_size 32 stress the quantized format (only the last <32 tokens stay full precision); "
+                       "quantized_kv_start > 0 keeps those first tokens (attention sinks, system prompt) full precision",
             "mlx-lm-fp16": "mlx-lm KVCache in the model's compute dtype (float32 on CPU)",
         },
         "rows": rows,

@@ -93,11 +93,12 @@ def metrics(ref_logits, logits, trajectory):
 
 
 def quality_rows(model, refs, systems):
-    """One row per (system, page_size): mean top1, kl, agreement; ppl and ppl_fp16 over all steps."""
+    """One row per (system, (page_size, quantized_kv_start) or None): mean top1, kl, agreement; ppl and ppl_fp16 over all steps."""
     import numpy as np
 
     rows = []
-    for name, page_size, make in systems:
+    for name, layout, make in systems:
+        page_size, sinks = layout or (None, None)
         per = []
         quantized = []
         for ids, traj, ref_logits in refs:
@@ -113,7 +114,7 @@ def quality_rows(model, refs, systems):
                "ppl_fp16": float(np.exp(nll0.mean())), "agreement": float(np.mean([p["agreement"] for p in per])),
                "prompts": len(refs), "tokens": len(refs[0][1])}
         if page_size is not None:
-            row["page_size"] = page_size
+            row["page_size"], row["quantized_kv_start"] = page_size, sinks
             row["quantized_token_fraction"] = float(np.mean(quantized))
         rows.append(row)
         _log(f"quality: {name} page {page_size}: top1 {row['top1']:.3f} kl {row['kl']:.4f} "
