@@ -17,6 +17,7 @@ from .pages import QUANT
 
 RUN_ELEMENTS = 1 << 22  # bound on one run's score block (heads x queries x keys), 16 MiB in float32
 MAX_RUN_TOKENS = 8192  # longest run of keys read at once
+EAGER_ELEMENTS = 1 << 20  # score blocks this big are evaluated before the next run is built
 
 
 def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks: Optional[mx.array] = None):
@@ -112,6 +113,8 @@ def _attend_block(cache, qb, first, last, window, dense_mask, sinks, run_tokens)
         else:
             acc[id(cv)] = (cv, o_run)
         m = m_new
+        if s.size >= EAGER_ELEMENTS:  # big blocks (prefill): evaluate run by run so only one run is alive
+            mx.eval(m, l, *(a for _, a in acc.values()))
     o = None
     for cv, a in acc.values():
         o = cv.finish(a) if o is None else o + cv.finish(a)

@@ -1,0 +1,133 @@
+"""Quality rows of `justfit bench kv`: each system's KV cache replaying fp16 greedy trajectories.
+
+For each held-out chat prompt, a greedy trajectory is generated with mlx-lm's float KVCache (whose
+per-step logits are the reference); every other system then replays prompt + trajectory token by token
+through its own cache (teacher forcing on the decode path). Free-running agreement needs no extra pass:
+a greedy run with the system's cache is identical to the replay until the first step whose argmax
+differs, so agreement = (first differing step) / steps.
+"""
+
+import sys
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion to a ten-year-old.",
+    "List three uses of Python in science.",
+    "How do airplanes stay in the air?",
+    "Give me a simple recipe for pancakes.",
+    "What causes the seasons on Earth?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "Write a short email asking my manager for a day off.",
+    "What is the difference between a list and a tuple in Python?",
+    "Suggest three names for a coffee shop.",
+    "Why is the sky blue?",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "Write a limerick about a cat who loves boxes.",
+    "What are the health benefits of walking every day?",
+    "Explain what a black hole is.",
+    "How do I reverse a string in JavaScript?",
+    "Give two tips for learning a new language.",
+    "What is photosynthesis?",
+    "Describe a sunset over the mountains in one paragraph.",
+    "What does HTTP stand for and what is it used for?",
+    "Tell me a fun fact about octopuses.",
+    "How can I make my code easier to read?",
+    "What is the boiling point of water at sea level?",
+]
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _step_logits(model, caches, ids, trajectory):
+    """Float32 logits [steps, vocab]: after the prompt, then after each trajectory token but the last."""
+    import mlx.core as mx
+
+    logits = model(mx.array(ids)[None], cache=caches)[0, -1]
+    out = [logits]
+    for t in trajectory[:-1]:
+        logits = model(mx.array([[t]]), cache=caches)[0, -1]
+        mx.eval(logits)
+        out.append(logits)
+    return mx.stack(out).astype(mx.float32)
+
+
+def reference(model, tokenizer, n_prompts: int, n_tokens: int):
+    """[(prompt ids, greedy trajectory, fp16 step logits)] with mlx-lm's KVCache."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    refs = []
+    for i, text in enumerate(PROMPTS[:n_prompts]):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        caches, traj, steps = make_prompt_cache(model), [], []
+        logits = model(mx.array(ids)[None], cache=caches)[0, -1]
+        for _ in range(n_tokens):  # no stop at EOS: every prompt yields n_tokens steps
+            steps.append(logits)
+            traj.append(int(mx.argmax(logits)))
+            logits = model(mx.array([[traj[-1]]]), cache=caches)[0, -1]
+        refs.append((ids, traj, mx.stack(steps).astype(mx.float32)))
+        _log(f"quality: reference {i + 1}/{n_prompts} ({len(ids)} prompt tokens)")
+    return refs
+
+
+def metrics(ref_logits, logits, trajectory):
+    """top1, kl, nll sums and first divergence of one replay against the fp16 reference."""
+    import mlx.core as mx
+    import numpy as np
+
+    lp0 = ref_logits - mx.logsumexp(ref_logits, axis=-1, keepdims=True)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    traj = mx.array(trajectory)
+    rows = mx.arange(len(trajectory))
+    same = np.array(mx.argmax(logits, axis=-1) == traj)
+    return {
+        "top1": float(same.mean()),
+        "kl": float((mx.exp(lp0) * (lp0 - lp)).sum(axis=-1).mean()),
+        "nll": -np.array(lp[rows, traj]),
+        "nll_fp16": -np.array(lp0[rows, traj]),
+        "agreement": float(np.argmin(same) if not same.all() else len(same)) / len(same),
+    }
+
+
+def quality_rows(model, refs, systems):
+    """One row per (system, (page_size, quantized_kv_start) or None): mean top1, kl, agreement; ppl and ppl_fp16 over all steps."""
+    import numpy as np
+
+    rows = []
+    for name, layout, make in systems:
+        page_size, sinks = layout or (None, None)
+        per = []
+        quantized = []
+        for ids, traj, ref_logits in refs:
+            if make is None:  # the reference system itself: its replay is the generation pass
+                per.append(metrics(ref_logits, ref_logits, traj))
+                continue
+            caches = make()
+            per.append(metrics(ref_logits, _step_logits(model, caches, ids, traj), traj))
+            quantized.append(_quantized_fraction(caches))
+        nll, nll0 = np.concatenate([p["nll"] for p in per]), np.concatenate([p["nll_fp16"] for p in per])
+        row = {"system": name, "top1": float(np.mean([p["top1"] for p in per])),
+               "kl": float(np.mean([p["kl"] for p in per])), "ppl": float(np.exp(nll.mean())),
+               "ppl_fp16": float(np.exp(nll0.mean())), "agreement": float(np.mean([p["agreement"] for p in per])),
+               "prompts": len(refs), "tokens": len(refs[0][1])}
+        if page_size is not None:
+            row["page_size"], row["quantized_kv_start"] = page_size, sinks
+            row["quantized_token_fraction"] = float(np.mean(quantized))
+        rows.append(row)
+        _log(f"quality: {name} page {page_size}: top1 {row['top1']:.3f} kl {row['kl']:.4f} "
+             f"ppl {row['ppl']:.3f} (fp16 {row['ppl_fp16']:.3f}) agreement {row['agreement']:.3f}")
+    return rows
+
+
+def _quantized_fraction(caches):
+    """Share of cached tokens stored in quantized pages (1.0 for mlx-lm's QuantizedKVCache)."""
+    from justfit.kvexec import PagedKVCache
+
+    paged = [c for c in caches if isinstance(c, PagedKVCache)]
+    if not paged:
+        return 1.0 if hasattr(caches[0], "bits") else 0.0
+    c = paged[0]
+    return sum(n for _, n, p in c.pages() if p.kind == "q") / max(1, c.offset)

@@ -1,0 +1,57 @@
+"""`justfit bench kv` plumbing on a tiny random model: row fields, JSON shape, quality metrics."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+
+import justfit
+from justfit.bench import kv as bench_kv
+from justfit.bench import kv_quality
+
+
+def _tiny():
+    mx.random.seed(3)
+    return llama.Model(llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=3, intermediate_size=96,
+                                       num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                       vocab_size=50000, head_dim=64, tie_word_embeddings=True))
+
+
+def test_bench_json_rows(monkeypatch, capsys):
+    model = _tiny()
+    monkeypatch.setattr(justfit, "load", lambda spec: (model, None), raising=False)
+    bench_kv.kv(contexts="300", steps=1, prefill_layers=1, prompts=0, tokens=4, stress_page=0,
+                systems=",".join(bench_kv.SYSTEM_NAMES), model="tiny", json_out=True)
+    out = json.loads(capsys.readouterr().out)
+    assert out["bench"] == "kv" and set(out["versions"]) == {"justfit", "mlx", "mlx_lm"}
+    rows = {r["system"]: r for r in out["rows"]}
+    assert set(rows) == set(bench_kv.SYSTEM_NAMES)
+    for r in rows.values():
+        assert r["context"] == 300 and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["peak_memory_bytes"] > 0
+    assert rows["justfit-fp16"]["kv_bytes"] == 3 * 2 * 2 * (2 * 256) * 64 * 4  # two pages per layer, float32
+    assert rows["justfit-q4-affine"]["kv_bytes"] < rows["justfit-fp16"]["kv_bytes"]
+    assert model.layers and len(model.model.layers) == 3  # the prefill cut was undone
+
+
+def test_quality_metrics_detect_divergence():
+    ref = mx.array([[5.0, 0.0, 0.0], [0.0, 5.0, 0.0], [0.0, 0.0, 5.0]])
+    same = kv_quality.metrics(ref, ref, [0, 1, 2])
+    assert same["top1"] == 1.0 and abs(same["kl"]) < 1e-6 and same["agreement"] == 1.0
+    other = mx.array([[5.0, 0.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
+    m = kv_quality.metrics(ref, other, [0, 1, 2])
+    assert m["top1"] == pytest.approx(2 / 3) and m["agreement"] == pytest.approx(1 / 3) and m["kl"] > 1.0
+
+
+def test_quality_rows_replay_through_caches():
+    model = _tiny()
+    ids, traj = [1, 2, 3, 4, 5], [7, 8, 9, 10]
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ref = kv_quality._step_logits(model, make_prompt_cache(model), ids, traj)
+    systems = [("mlx-lm-fp16", None, None), ("justfit-fp16", (32, 0), bench_kv._factory("justfit-fp16", model, 32)),
+               ("justfit-q4-rotated", (32, 32), bench_kv._factory("justfit-q4-rotated", model, 32, 32))]
+    rows = kv_quality.quality_rows(model, [(ids, traj, ref)], systems)
+    assert rows[1]["kl"] < 1e-6 and rows[1]["ppl"] == pytest.approx(rows[1]["ppl_fp16"], rel=1e-4)
+    assert rows[2]["quantized_token_fraction"] == 0.0  # 8 tokens never fill a 32-token page
+    assert rows[2]["quantized_kv_start"] == 32 and rows[2]["page_size"] == 32
