@@ -16,7 +16,7 @@ class KVConfig:
     format: str = "affine"
     group_size: int = 64
     page_size: int = 256
-    quantized_kv_start: int = 0
+    quantized_kv_start: int = 256  # first page full precision: sinks + system prompt (measured: top1 0.93 -> 0.98)
 
     def __post_init__(self):
         from .errors import UserError

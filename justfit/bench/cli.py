@@ -4,8 +4,10 @@ import typer
 
 app = typer.Typer(help="Benchmarks against mlx-lm in the same process. --json prints one JSON object.", no_args_is_help=True)
 
+from .kv import kv  # noqa: E402
 from .phases import phases  # noqa: E402
 from .sessions import sessions  # noqa: E402
 
+app.command("kv")(kv)
 app.command("sessions")(sessions)
 app.command("phases")(phases)
