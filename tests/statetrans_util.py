@@ -25,7 +25,7 @@ def tiny_model_folder(cache_dir: Path, layers: int = 2) -> Path:
 def runtime(folder: Path, home: Path, bits: int = 4, page: int = PAGE, fmt: str = "affine"):
     import justfit
 
-    return justfit.Runtime(model=str(folder), kv=justfit.KVConfig(bits=bits, format=fmt, page_size=page), home=home)
+    return justfit.Runtime(model=str(folder), kv=justfit.KVConfig(quantized_kv_start=0, bits=bits, format=fmt, page_size=page), home=home)
 
 
 def run_py(code: str, env_home: Path, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

@@ -78,7 +78,7 @@ def test_paged_attention_matches_reference(fmt, page, hkv, rep, d, chunks, rewin
 
 
 def test_sliding_window_and_sinks():
-    kv = KVConfig(bits=4, page_size=32)
+    kv = KVConfig(quantized_kv_start=0, bits=4, page_size=32)
     cache = _cache(kv)
     k = mx.random.normal((1, 2, 150, 64))
     cache.update_and_fetch(k, k * 0.3)
@@ -101,7 +101,7 @@ def test_window_skips_pages_outside_it():
 
 def test_workspace_is_bounded(monkeypatch):
     """Every score block a prefill chunk builds is at most RUN_ELEMENTS, whatever the context length."""
-    cache = _cache(KVConfig(bits=4, page_size=32), poison=False)
+    cache = _cache(KVConfig(quantized_kv_start=0, bits=4, page_size=32), poison=False)
     k = mx.random.normal((1, 2, 600, 64))
     cache.update_and_fetch(k, k)
     monkeypatch.setattr(attention, "RUN_ELEMENTS", 4 * 64 * 32)  # tiny bound: forces query blocks and runs

@@ -8,8 +8,8 @@ from justfit.config import KVConfig
 from justfit.kvexec import formats, rotation
 
 HEAD_DIMS = [64, 80, 96, 128, 256]
-CONFIGS = [KVConfig(bits=16), KVConfig(bits=8), KVConfig(bits=8, group_size=32), KVConfig(bits=4),
-           KVConfig(bits=4, group_size=32), KVConfig(bits=4, format="rotated")]
+CONFIGS = [KVConfig(bits=16), KVConfig(quantized_kv_start=0, bits=8), KVConfig(quantized_kv_start=0, bits=8, group_size=32), KVConfig(quantized_kv_start=0, bits=4),
+           KVConfig(quantized_kv_start=0, bits=4, group_size=32), KVConfig(quantized_kv_start=0, bits=4, format="rotated")]
 # relative MSE bound per format on Gaussian data (measured ~3e-5, 8e-3, 6.5e-3, 9.3e-3)
 BOUND = {"fp16": 0.0, "q8-affine": 1e-4, "q4-affine": 0.012, "q4-rotated": 0.012}
 

@@ -10,7 +10,7 @@ from justfit.kvexec.cache import PagedKVCache
 from justfit.kvexec.pages import QUANT, Page
 
 
-def _layers(n_layers=3, kv=KVConfig(bits=4, page_size=32), max_pages=None):
+def _layers(n_layers=3, kv=KVConfig(quantized_kv_start=0, bits=4, page_size=32), max_pages=None):
     seq = Sequence(PagePool(n_layers, kv.page_size, max_pages))
     return seq, [PagedKVCache(seq, i, kv) for i in range(n_layers)]
 
@@ -100,7 +100,7 @@ def test_sealed_pages_listing_and_lazy_restore():
 
 def test_nbytes_counts_pages_and_quantization_shrinks_them():
     _, fp = _layers(kv=KVConfig(bits=16, page_size=32))
-    _, q4 = _layers(kv=KVConfig(bits=4, page_size=32))
+    _, q4 = _layers(kv=KVConfig(quantized_kv_start=0, bits=4, page_size=32))
     _append(fp, 256)
     _append(q4, 256)
     assert fp[0].nbytes == 2 * 256 * 2 * 64 * 4

@@ -107,7 +107,7 @@ def test_plain_phased_decode_equals_mlx_lm():
     assert run(m, PROMPT, 24) == mlx_lm_greedy(m, PROMPT, 24)
 
 
-@pytest.mark.parametrize("kv", [None, KVConfig(bits=16, page_size=32), KVConfig(bits=4, page_size=32)])
+@pytest.mark.parametrize("kv", [None, KVConfig(bits=16, page_size=32), KVConfig(quantized_kv_start=0, bits=4, page_size=32)])
 def test_speculative_greedy_equals_plain(kv):
     m = tiny_model(3)
     plain = run(m, PROMPT, 40, kv=kv)
