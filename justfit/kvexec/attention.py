@@ -12,6 +12,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import kernels
 from .cache import PagedKVCache, PagedMask
 from .pages import QUANT
 
@@ -22,6 +23,9 @@ EAGER_ELEMENTS = 1 << 20  # score blocks this big are evaluated before the next 
 
 def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks: Optional[mx.array] = None):
     """softmax(q k^T * scale + mask) v over the cache's pages; queries [1, Hq, L, D] -> [1, Hq, L, Dv]."""
+    o = kernels.attention(queries, cache, scale, mask, sinks)  # Metal kernels when they apply
+    if o is not None:
+        return o
     _, Hq, L, _ = queries.shape
     H = cache.n_kv_heads
     rep, P = Hq // H, cache.seq.page_size

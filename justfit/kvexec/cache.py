@@ -13,6 +13,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from ..errors import UserError
+from . import kernels
 from .formats import FullCodec, make_codecs
 from .pages import FULL, OPEN, QUANT, Page, Sequence
 
@@ -181,7 +182,7 @@ class PagedKVCache(_BaseCache):
             page = Page(FULL, (k,), (v,))
         else:
             ck, cv = self.codecs
-            page = Page(QUANT, ck.encode(k), cv.encode(v))
+            page = Page(QUANT, kernels.seal(ck, k) or ck.encode(k), kernels.seal(cv, v) or cv.encode(v))
         self.seq.pool.put(self.layer, pid, page)
 
 
