@@ -46,9 +46,12 @@ def emulator():
     return "emulator"
 
 
-@pytest.mark.parametrize("kv", CONFIGS, ids=lambda kv: f"{kv.format}-g{kv.group_size}")
-def test_kernel_path_gives_reference_logits(kv, monkeypatch, emulator):
-    model = _model()
+CASES = [(kv, 64) for kv in CONFIGS] + [(CONFIGS[1], 80), (CONFIGS[2], 80)]  # 80 pads to 128
+
+
+@pytest.mark.parametrize("kv,head_dim", CASES, ids=[f"{kv.format}-g{kv.group_size}-d{d}" for kv, d in CASES])
+def test_kernel_path_gives_reference_logits(kv, head_dim, monkeypatch, emulator):
+    model = _model(head_dim)
     kernels.CALLS.clear()
     want, _ = _logits(model, kv, monkeypatch, "reference")
     assert not kernels.CALLS  # the reference path never touches the kernels
