@@ -211,14 +211,14 @@ class Agent:
         child = self.fork(tools=tools, **overrides)
         result = child.run(self._subtask_text(task, child))
         if record:
-            self._record("spawn_agent", {"task": task}, result.answer)
+            self._record("spawn_agent", {"task": task}, _handback(result))
         return result
 
     def fan_out(self, tasks: List[str], tools=None, **overrides) -> List[Result]:
         """Several sub-agents from the same fork point, one after another; then all results."""
         results = [self.spawn(t, tools=tools, record=False, **overrides) for t in tasks]
         for task, r in zip(tasks, results):
-            self._record("spawn_agent", {"task": task}, r.answer)
+            self._record("spawn_agent", {"task": task}, _handback(r))
         return results
 
     def _subtask_text(self, task: str, child: "Agent") -> str:
@@ -236,11 +236,19 @@ class Agent:
         Args:
             task: what the sub-agent should find out or do
         """
-        return self.spawn(task, record=False).answer
+        return _handback(self.spawn(task, record=False))
 
     def transcript(self) -> str:
         """Transcript of every step this agent has run so far."""
         return Result("", self.history, "").transcript()
+
+
+def _handback(result: Result) -> str:
+    """What a sub-agent returns to its parent: its answer, or why it has none and what it last saw."""
+    if result.answer:
+        return result.answer
+    last = result.tool_calls[-1].result if result.tool_calls else ""
+    return f"[sub-agent stopped ({result.stopped}) without an answer; last tool result: {last}]"
 
 
 def _totals(steps: List[Step]) -> dict:

@@ -64,6 +64,7 @@ class MemoryState:
         self.cache = None
         self.cached = 0
         self.extra: dict = {}
+        self.shared = False  # this history's first prompt is in the prefix pool
 
     # -- history -----------------------------------------------------------------------------
     def sync(self, text: str) -> None:
@@ -102,6 +103,7 @@ class MemoryState:
         pool = _POOL.setdefault(self.rt, [])
         pool.append((list(self.tokens[: self.cached]), copy_cache(self.cache)))
         del pool[:-POOL_SIZE]
+        self.shared = True
 
     def append_generated(self, tokens: List[int]) -> None:
         """Record generated tokens (the cache already holds all but the last one)."""
@@ -114,7 +116,6 @@ class MemoryState:
         """Prefill what the cache lacks, then decode; yields tokens, leaves stats in self.stats."""
         import mlx.core as mx
 
-        fresh = self.cached == 0
         if self.cache is None:
             self.cache = self.rt.make_cache()
         if seed is not None:
@@ -130,7 +131,7 @@ class MemoryState:
         logits = prefill(self.rt.model, self.cache, self.tokens[self.cached:])
         self.cached = len(self.tokens)
         stats["prefill_s"] = time.perf_counter() - start
-        if fresh:
+        if not self.shared:
             self._share_prefix()
         generated = []
         for t in decode(self.rt.model, self.cache, logits, max_tokens=max_tokens, eos=eos,
