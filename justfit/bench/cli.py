@@ -3,3 +3,7 @@
 import typer
 
 app = typer.Typer(help="Benchmarks against mlx-lm in the same process. --json prints one JSON object.", no_args_is_help=True)
+
+from .agent import agent  # noqa: E402
+
+app.command("agent")(agent)
