@@ -8,6 +8,11 @@ import typer
 app = typer.Typer(help="Agent loops on JustFit: ready agents over a workspace folder.", no_args_is_help=True)
 
 
+@app.callback()
+def agent_group():
+    """Agent loops on JustFit: ready agents over a workspace folder (`run`)."""
+
+
 def _show(event) -> None:
     """One live line (or block) per event, on stderr so stdout holds only the answer."""
     st = event.stats
