@@ -65,3 +65,50 @@ def repl(rt, system: Optional[str], opts: dict) -> None:
             continue
         messages.append({"role": "user", "content": line})
         messages.append({"role": "assistant", "content": _reply(rt, messages, opts)})
+
+
+def _show_history(session, out) -> None:
+    """Print a resumed session's earlier turns, so the user sees where the conversation stands."""
+    if not session.messages:
+        return
+    typer.echo(f"[session {session.name!r}: {len(session.messages)} earlier messages, "
+               f"{len(session.tokens)} tokens, {session.kv_tokens} restored from pages]", err=True)
+    for m in session.messages:
+        typer.echo(f"{m['role']}: {m['content']}", err=out is sys.stderr)
+
+
+def session_chat(rt, name: str, prompt: Optional[str], system: Optional[str], opts: dict) -> None:
+    """`justfit chat --session NAME`: resume the named session (earlier turns shown), answer `prompt`
+    or run the REPL on it; every turn is checkpointed, so a restart continues where it stopped."""
+    session = rt.session(name)
+    try:
+        _show_history(session, sys.stderr if prompt is not None else sys.stdout)
+        first = [{"role": "system", "content": system}] if system and not session.tokens else []
+        if prompt is not None:
+            _reply(session, first + [{"role": "user", "content": prompt}], opts)
+            typer.echo(format_stats(session.last_stats), err=True)
+            return
+        typer.echo(f"justfit chat, session {name!r} — /reset clears it, /stats, /exit or Ctrl-D quits.", err=True)
+        while True:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                typer.echo("", err=True)
+                return
+            except KeyboardInterrupt:
+                typer.echo("", err=True)
+                continue
+            cmd = line.strip()
+            if cmd in ("/exit", "/quit"):
+                return
+            if cmd == "/reset":
+                session.rewind(len(session.tokens))
+                first = [{"role": "system", "content": system}] if system else []
+                typer.echo("[session cleared]", err=True)
+            elif cmd == "/stats":
+                typer.echo(format_stats(session.last_stats) if session.last_stats else "[no turn yet]", err=True)
+            elif cmd:
+                _reply(session, first + [{"role": "user", "content": line}], opts)
+                first = []
+    finally:
+        session.close()

@@ -31,6 +31,10 @@ from .bench.cli import app as bench_app  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 
+from .statetrans.cli import app as sessions_app  # noqa: E402
+
+app.add_typer(sessions_app, name="sessions")
+
 
 class KVBits(str, Enum):
     four = "4"
@@ -57,12 +61,14 @@ def chat(
     kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format."),
 ):
     """Chat with a model: interactive on a terminal, one-shot with --prompt or piped stdin."""
-    from .chat import one_shot, repl
+    from .chat import one_shot, repl, session_chat
     from .config import KVConfig
     from .runtime import Runtime
 
     if session is not None:
-        raise UserError("--session needs StateTrans, which is not built yet")
+        from .statetrans.manifest import check_name
+
+        check_name(session)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read().strip()
         if not prompt:
@@ -70,7 +76,9 @@ def chat(
     fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
     rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt))
     opts = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
-    if prompt is not None:
+    if session is not None:
+        session_chat(rt, session, prompt, system, opts)
+    elif prompt is not None:
         one_shot(rt, prompt, system, opts)
     else:
         repl(rt, system, opts)

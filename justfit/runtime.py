@@ -78,14 +78,29 @@ class Runtime:
         """Per-layer KV caches (KVExec) usable by mlx_lm.generate(..., prompt_cache=caches)."""
         from .kvexec import make_cache
 
-        return make_cache(self.model, self.kv)
+        return make_cache(self.model, self.kv, pool=self.prefix_index().pool)
+
+    def prefix_index(self):
+        """StateTrans prefix index (shared page pool + page store) of this runtime, made on first use."""
+        if getattr(self, "_prefix_index", None) is None:
+            from .statetrans.index import PrefixIndex
+
+            self._prefix_index = PrefixIndex.for_runtime(self)
+        return self._prefix_index
+
+    def session(self, name: str, **options):
+        """Create or resume the named StateTrans session (persisted under JUSTFIT_HOME/sessions)."""
+        from .statetrans import Session
+
+        return Session.open(self, name, **options)
 
     # -- generation ---------------------------------------------------------------------------
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                seed: Optional[int] = None, top_p: float = 1.0) -> Iterator[Chunk]:
         """Yield Chunks as tokens are generated; stats of the turn land in self.last_stats."""
-        tokens = self.encode(prompt)
-        yield from self.stream_tokens(tokens, self.make_cache(), max_tokens, temperature, seed, top_p)
+        from .statetrans.reuse import stream_reusing_prefix
+
+        yield from stream_reusing_prefix(self, self.encode(prompt), max_tokens, temperature, seed, top_p)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                  seed: Optional[int] = None, top_p: float = 1.0) -> Generation:

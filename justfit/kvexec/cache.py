@@ -1,0 +1,190 @@
+"""PagedKVCache: one layer's view of a paged sequence, implementing mlx-lm's cache protocol.
+
+`update_and_fetch` writes new K/V into the sequence's pages (the page being filled stays full precision
+and is quantized when it seals) and returns lightweight `PagedKV` handles; the attention dispatcher
+installed by routing.py recognizes them and runs paged attention (attention.py). For a model whose
+attention cannot be routed, the cache runs in `dense` mode and returns dequantized K/V arrays instead.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from ..errors import UserError
+from .formats import FullCodec, make_codecs
+from .pages import FULL, OPEN, QUANT, Page, Sequence
+
+
+class PagedKV:
+    """Handle standing for one layer's keys or values; `shape` mimics the array mlx-lm would get."""
+
+    def __init__(self, cache: "PagedKVCache", which: str):
+        self.cache, self.which = cache, which
+
+    @property
+    def shape(self):
+        dim = self.cache.head_dim if self.which == "k" else self.cache.value_dim
+        return (1, self.cache.n_kv_heads, self.cache.offset, dim)
+
+    @property
+    def dtype(self):
+        return self.cache.dtype
+
+
+class PagedMask:
+    """Mask handle: causal, optionally restricted to a sliding window of `window` keys (self included)."""
+
+    def __init__(self, window: Optional[int] = None):
+        self.window = window
+
+
+class PagedKVCache(_BaseCache):
+    """mlx-lm cache protocol over one layer of a `Sequence` (see pages.py)."""
+
+    def __init__(self, seq: Sequence, layer: int, kv, window: Optional[int] = None, dense: bool = False):
+        self.seq, self.layer, self.kv = seq, layer, kv
+        self.window, self.dense = window, dense
+        self.poison = False  # tests: fill fresh page buffers with NaN to prove they are never read
+        self.codecs = None
+        self.n_kv_heads = self.head_dim = self.value_dim = self.dtype = None
+
+    # ---- protocol -------------------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        return self.seq.lengths[self.layer]
+
+    def update_and_fetch(self, keys, values):
+        B, H, L, D = keys.shape
+        if B != 1:
+            raise UserError("KVExec paged caches hold one sequence (batch size 1)")
+        if self.codecs is None:
+            self._setup(H, D, values.shape[-1], keys.dtype)
+        start = self.offset
+        self.seq.reserve(start + L)  # atomic across layers: raises before anything changes
+        pos, P = start, self.seq.page_size
+        while pos < start + L:
+            index, off = divmod(pos, P)
+            n = min(P - off, start + L - pos)
+            self._write(index, off, keys[0, :, pos - start : pos - start + n], values[0, :, pos - start : pos - start + n])
+            pos += n
+        self.seq.lengths[self.layer] = start + L
+        if self.dense:
+            return self.dense_kv()
+        return PagedKV(self, "k"), PagedKV(self, "v")
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        window = window_size or self.window
+        if self.dense or return_array:
+            return create_attention_mask(N, self.offset, return_array, window)
+        if window is not None:
+            return PagedMask(window)
+        return "causal" if N > 1 else None
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.seq.set_length(self.layer, self.offset - n)
+        return n
+
+    def size(self):
+        return self.offset
+
+    def empty(self):
+        return self.offset == 0
+
+    @property
+    def state(self):
+        """All arrays of this layer's live pages (what mx.eval must materialize after a prefill chunk)."""
+        arrays = []
+        for _, _, page in self.pages():
+            k, v = page.parts()
+            arrays.extend(k)
+            arrays.extend(v)
+        return arrays
+
+    @state.setter
+    def state(self, v):
+        raise UserError("PagedKVCache state cannot be set directly; restore pages with Sequence.append_restored")
+
+    @property
+    def meta_state(self):
+        return (self.kv.name, str(self.kv.group_size), str(self.seq.page_size), str(self.offset))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(page.nbytes for _, _, page in self.pages())
+
+    # ---- pages ----------------------------------------------------------------------------------
+    def pages(self):
+        """[(first token position, valid tokens, Page)] for this layer's pages in token order."""
+        P, out = self.seq.page_size, []
+        for index in range(self.seq.pages_for(self.offset)):
+            page = self.seq.pool.get(self.layer, self.seq.table[index])
+            out.append((index * P, min(P, self.offset - index * P), page))
+        return out
+
+    def codec(self, page: Page):
+        """(key codec, value codec) that read this page."""
+        return self.codecs if page.kind == QUANT else self.full
+
+    def dense_kv(self):
+        """All keys and values dequantized, [1, H, offset, D] (dense mode and tests only)."""
+        ks, vs = [], []
+        for _, n, page in self.pages():
+            (ck, cv), (k, v) = self.codec(page), page.parts()
+            ks.append(ck.decode(k)[:, :n].astype(self.dtype))
+            vs.append(cv.decode(v)[:, :n].astype(self.dtype))
+        return mx.concatenate(ks, axis=1)[None], mx.concatenate(vs, axis=1)[None]
+
+    def _setup(self, H, D, Dv, dtype):
+        if self.kv.bits != 16 and D != Dv:
+            raise UserError(f"quantized KV pages need equal key and value head dims, got {D} and {Dv}")
+        self.n_kv_heads, self.head_dim, self.value_dim, self.dtype = H, D, Dv, dtype
+        self.codecs = make_codecs(self.kv, D)
+        self.full = (FullCodec(D), FullCodec(Dv))
+
+    def _write(self, index: int, off: int, k, v):
+        pid = self.seq.writable(index)  # copy-on-write when another sequence shares the page
+        P = self.seq.page_size
+        if off == 0 and k.shape[1] == P:
+            return self._seal(pid, index, k, v)
+        page = self.seq.pool.get(self.layer, pid)
+        if page is None or off == 0:
+            kb, vb = self._fresh(k.shape[0], P, self.head_dim), self._fresh(k.shape[0], P, self.value_dim)
+        else:
+            kb, vb = self._unsealed(page)
+        at = mx.array([0, off, 0])
+        kb = mx.slice_update(kb, k.astype(kb.dtype), at, axes=(0, 1, 2))
+        vb = mx.slice_update(vb, v.astype(vb.dtype), at, axes=(0, 1, 2))
+        if off + k.shape[1] == P:
+            return self._seal(pid, index, kb, vb)
+        self.seq.pool.put(self.layer, pid, Page(OPEN, (kb,), (vb,)))
+
+    def _fresh(self, H, P, D):
+        fill = float("nan") if self.poison else 0.0
+        return mx.full((H, P, D), fill, dtype=self.dtype)
+
+    def _unsealed(self, page: Page):
+        """Full-precision buffers of a page about to be written (a sealed page reopened by a trim)."""
+        (ck, cv), (k, v) = self.codec(page), page.parts()
+        if page.kind == OPEN:
+            return k[0], v[0]
+        return ck.decode(k).astype(self.dtype), cv.decode(v).astype(self.dtype)
+
+    def _seal(self, pid: int, index: int, k, v):
+        """A full page: keep it full precision (bits=16 or inside quantized_kv_start), else quantize it."""
+        if self.kv.bits == 16 or index * self.seq.page_size < self.kv.quantized_kv_start:
+            page = Page(FULL, (k,), (v,))
+        else:
+            ck, cv = self.codecs
+            page = Page(QUANT, ck.encode(k), cv.encode(v))
+        self.seq.pool.put(self.layer, pid, page)
+
+
+def causal_mask_array(L: int, offset: int, window: Optional[int]):
+    """The dense mask mlx-lm would build, for reference attention in tests."""
+    return create_causal_mask(L, offset - L, window_size=window)

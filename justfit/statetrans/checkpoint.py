@@ -1,0 +1,85 @@
+"""Between KVExec pages and the store: page arrays to files, files to lazy page loaders, and the commit
+of a checkpoint (new pages, then the manifest, under the store lock)."""
+
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from .manifest import Manifest, write_manifest
+from .store import PageFile, PageStore
+
+
+def to_numpy(a):
+    """An MLX array as numpy (bfloat16 travels as its uint16 bits, tagged 'BF16')."""
+    import mlx.core as mx
+    import numpy as np
+
+    if a.dtype == mx.bfloat16:
+        return np.array(a.view(mx.uint16)), "BF16"
+    return np.array(a)
+
+
+def page_tensors(pages) -> Tuple[Dict[str, object], Dict[str, str]]:
+    """Named numpy arrays `<layer>.k.<i>` / `<layer>.v.<i>` of one page id across layers, and metadata."""
+    out = {}
+    for layer, page in enumerate(pages):
+        for name, a in page.tensors().items():
+            out[f"{layer}.{name}"] = to_numpy(a)
+    return out, {"layers": str(len(pages)), "kinds": ",".join(p.kind for p in pages)}
+
+
+def page_loaders(pf: PageFile, n_layers: int):
+    """(kinds, loaders) for Sequence.append_restored: loaders[layer]() reads that layer's arrays from the
+    open file on first use (lazy restore, no staging copy); the file closes after the last layer."""
+    import mlx.core as mx
+
+    kinds = pf.meta["kinds"].split(",")
+    if int(pf.meta.get("layers", -1)) != n_layers or len(kinds) != n_layers:
+        raise ValueError(f"page has {pf.meta.get('layers')} layers, the model {n_layers}")
+    names = set(pf.names())
+    left = [n_layers]
+
+    def part(name):
+        arr, tag = pf.read(name)
+        x = mx.array(arr)
+        return x.view(mx.bfloat16) if tag == "BF16" else x
+
+    def loader(layer):
+        def load():
+            k = tuple(part(f"{layer}.k.{i}") for i in range(_count(names, f"{layer}.k.")))
+            v = tuple(part(f"{layer}.v.{i}") for i in range(_count(names, f"{layer}.v.")))
+            left[0] -= 1
+            if left[0] == 0:
+                pf.close()
+            return k, v
+
+        return load
+
+    return kinds, [loader(i) for i in range(n_layers)]
+
+
+def _count(names, prefix: str) -> int:
+    return sum(n.startswith(prefix) and n[len(prefix):].isdigit() for n in names)
+
+
+def commit(store: PageStore, home: Path, manifest: Manifest, new_pages: List[Tuple[str, dict, dict]],
+           checksums: Dict[str, str], keep=None) -> int:
+    """Write pages not yet on disk, then the manifest, under the store lock; evict over the disk cap.
+    `checksums` maps block hash -> file sha256 and is updated. Returns bytes written."""
+    written = 0
+    with store.lock():
+        for h, tensors, meta in new_pages:
+            sha, n = store.write(h, tensors, meta)
+            checksums[h] = sha
+            written += n
+        if manifest is not None:
+            for i, entry in enumerate(manifest.pages):
+                sha = entry.get("sha256") or checksums.get(entry["hash"]) or store.file_sha256(entry["hash"])
+                if sha is None:  # evicted by another process meanwhile: later pages are recomputed on restore
+                    del manifest.pages[i:]
+                    break
+                entry["sha256"] = checksums[entry["hash"]] = sha
+            write_manifest(home, manifest)
+            written += len(manifest.to_bytes())
+        if store.disk_cap is not None:
+            store.evict(store.disk_cap, keep or ())
+    return written

@@ -1,0 +1,41 @@
+"""`justfit sessions list|show|rm|gc` on a store written through StateTrans' commit path (no model)."""
+
+import numpy as np
+from typer.testing import CliRunner
+
+from justfit.cli import app
+from justfit.statetrans.checkpoint import commit
+from justfit.statetrans.manifest import Manifest
+from justfit.statetrans.store import PageStore
+
+
+def _store(home):
+    store = PageStore(home / "store" / "fp", home / "store" / "lock")
+    pages = {h: ({"0.k.0": np.full((2, 32, 8), i, np.float32), "0.v.0": np.zeros((2, 32, 8), np.float32)},
+                 {"layers": "1", "kinds": "fp"}) for i, h in enumerate(["aa" * 32, "bb" * 32, "cc" * 32])}
+    m = Manifest("chat1", "fp", "tk", {"name": "q4-affine", "page_size": 32}, list(range(70)),
+                 [{"hash": "aa" * 32, "sha256": None}, {"hash": "bb" * 32, "sha256": None}],
+                 [{"role": "user", "content": "hello there", "end": 10}], model="default")
+    commit(store, home, m, [(h, t, meta) for h, (t, meta) in pages.items()], {})
+    return store
+
+
+def test_sessions_cli(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("JUSTFIT_HOME", str(home))
+    store = _store(home)
+    r = CliRunner()
+    out = r.invoke(app, ["sessions", "list"])
+    assert out.exit_code == 0 and "chat1" in out.output and "70" in out.output
+    out = r.invoke(app, ["sessions", "show", "chat1"])
+    assert out.exit_code == 0 and "hello there" in out.output and "q4-affine" in out.output
+    out = r.invoke(app, ["sessions", "gc"])                  # the unreferenced page goes, the others stay
+    assert out.exit_code == 0 and not store.path("cc" * 32).exists() and store.path("aa" * 32).exists()
+    out = r.invoke(app, ["sessions", "show", "nope"])
+    assert out.exit_code == 2 and "no session named" in out.output
+    out = r.invoke(app, ["sessions", "rm", "../x"])
+    assert out.exit_code == 2 and "invalid session name" in out.output
+    assert r.invoke(app, ["sessions", "rm", "chat1"]).exit_code == 0
+    r.invoke(app, ["sessions", "gc"])
+    assert store.pages() == []
+    assert "no sessions" in r.invoke(app, ["sessions", "list"]).output
