@@ -229,6 +229,8 @@ class Agent:
     def _record(self, name: str, arguments: dict, result: str) -> None:
         self.messages.append({"role": "assistant", "content": self.syntax.call_text(name, arguments)})
         self.messages.append(self.syntax.tool_message(name, truncate(result, self.rt.tokenizer, self.result_tokens)))
+        if self.state.name:
+            self.state.checkpoint(self.messages)
 
     def _spawn_tool(self, task: str) -> str:
         """Hand a self-contained sub-task to a sub-agent and get its answer back.

@@ -32,8 +32,16 @@ def common_prefix(a: List[int], b: List[int]) -> int:
 
 
 def copy_cache(cache: list) -> list:
-    """A cache that shares the parent's arrays and grows on its own (MLX arrays are immutable;
+    """A cache that shares the parent's K/V and grows on its own: KVExec paged caches fork their
+    block table (pages shared, copy-on-write); mlx-lm caches share arrays (MLX arrays are immutable;
     `state` hands back fresh array objects, so in-place writes never reach the parent)."""
+    try:
+        from justfit.kvexec import fork_caches, sequence_of
+
+        sequence_of(cache)
+        return fork_caches(cache)
+    except (ImportError, StopIteration):
+        pass
     out = []
     for c in cache:
         c2 = copy.copy(c)
@@ -128,9 +136,11 @@ class MemoryState:
                  "prefilled_tokens": len(self.tokens) - self.cached}
         self.stats = stats
         start = time.perf_counter()
+        _phase(self.rt, "prefill")
         logits = prefill(self.rt.model, self.cache, self.tokens[self.cached:])
         self.cached = len(self.tokens)
         stats["prefill_s"] = time.perf_counter() - start
+        _phase(self.rt, "decode")
         if not self.shared:
             self._share_prefix()
         generated = []
@@ -138,6 +148,7 @@ class MemoryState:
                         temperature=temperature, top_p=top_p, constraint=constraint, stats=stats):
             generated.append(t)
             yield t
+        _phase(self.rt, "idle")
         stats["ttft_s"] = stats.pop("first_token_at", start) - start
         stats["turn_s"] = time.perf_counter() - start
         self.cached += len(generated) - stats.get("unfed_tokens", 0)  # the rest is fed by the next prefill
@@ -148,7 +159,9 @@ class MemoryState:
         if self.cache is None:
             self.cache = self.rt.make_cache()
         if len(self.tokens) > self.cached:
+            _phase(self.rt, "prefill")
             prefill(self.rt.model, self.cache, self.tokens[self.cached:])
+            _phase(self.rt, "idle")
             self.cached = len(self.tokens)
 
     def fork(self, name: Optional[str] = None) -> "MemoryState":
@@ -215,6 +228,44 @@ class MemoryState:
         return meta["messages"]
 
 
+class SessionState(MemoryState):
+    """MemoryState on a StateTrans session: its pages, manifest and prefix index persist the
+    history (resume after restart), and tool phases hand the session to PhaseSwap."""
+
+    def __init__(self, runtime, name: str):
+        super().__init__(runtime, name)
+        self.session = runtime.session(name)
+        self.cache = self.session.cache
+        self.tokens = list(self.session.tokens)
+        self.cached = self.session.kv_tokens
+        self.text = runtime.tokenizer.decode(self.tokens) if self.tokens else ""
+
+    def resume(self) -> Optional[List[dict]]:
+        msgs = [{k: v for k, v in m.items() if k != "end"} for m in self.session.messages]
+        return msgs or None
+
+    def checkpoint(self, messages: List[dict]) -> None:
+        """Hand the history to the session and commit its pages and manifest."""
+        s = self.session
+        s.tokens = list(self.tokens)
+        s.messages = [dict(m, end=len(self.tokens)) for m in messages]
+        s.dirty = True
+        s.checkpoint()
+
+    def tool_phase(self):
+        phase = getattr(self.session, "tool_phase", None) or getattr(self.rt, "tool_phase", None)
+        if phase is None:
+            return contextlib.nullcontext()
+        return phase() if phase is getattr(self.session, "tool_phase", None) else phase(self.session)
+
+
+def _phase(rt, name: str) -> None:
+    """Tell PhaseSwap which phase the model is in (it reloads what a tool phase released)."""
+    residency = getattr(rt, "phaseswap", None)
+    if residency is not None:
+        residency.enter(name)
+
+
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -227,5 +278,8 @@ def _model_id(rt) -> str:
 
 
 def open_state(runtime, name: Optional[str] = None) -> MemoryState:
-    """The state an Agent runs on. StateTrans sessions (Runtime.session) plug in here."""
+    """The state an Agent runs on: a StateTrans session when named and the Runtime has sessions,
+    else an in-memory state (which checkpoints to JUSTFIT_HOME/agents/NAME when named)."""
+    if name and callable(getattr(runtime, "session", None)):
+        return SessionState(runtime, name)
     return MemoryState(runtime, name)
