@@ -86,12 +86,17 @@ def _args(arguments: dict) -> str:
 
 
 class Agent:
-    """Agent(runtime, system=..., tools=[fn, ...], session="name"); run(task) -> Result."""
+    """Agent(runtime, system=..., tools=[fn, ...], session="name"); run(task) -> Result.
+
+    tool_choice: "auto" (call a tool or answer in text), "required" (every step calls a tool; the
+    first step of a run a real one, later steps may call the added final_answer), "none", or
+    {"name": tool} (that tool first, then as "required"). max_string caps each string argument.
+    """
 
     def __init__(self, runtime, system: str = DEFAULT_SYSTEM, tools=(), session: Optional[str] = None,
                  tool_choice="auto", max_steps: int = 8, max_tokens: int = 512, temperature: float = 0.0,
                  top_p: float = 1.0, seed: Optional[int] = None, result_tokens: int = 384,
-                 max_string: int = 400, stop: Optional[Callable[[Step], bool]] = None,
+                 max_string: int = 160, stop: Optional[Callable[[Step], bool]] = None,
                  subagents: bool = False, _state=None, _messages=None, _prompt_tools=None):
         choice_name(tool_choice)  # validates
         self.rt, self.system, self.tool_choice = runtime, system, tool_choice
@@ -134,7 +139,7 @@ class Agent:
         answer, stopped = "", "max_steps"
         for i in range(self.max_steps):
             choice = self.tool_choice if i == 0 or not isinstance(self.tool_choice, dict) else "required"
-            step = self._model_step(len(self.history) + len(steps), choice)
+            step = self._model_step(len(self.history) + len(steps), choice, first=i == 0)
             steps.append(step)
             if step.call is None:
                 answer, stopped = step.text.strip(), "answer" if step.stats["finish_reason"] != "length" else "length"
@@ -155,11 +160,14 @@ class Agent:
         result = Result(answer, steps, stopped, _totals(steps))
         yield Event("done", steps[-1].index if steps else 0, answer, stats=result.stats, result=result)
 
-    def _model_step(self, index: int, choice) -> Step:
+    def _model_step(self, index: int, choice, first: bool = False) -> Step:
         """Render the conversation, extend the state by the new tokens, decode one reply."""
         finish = FINISH_TOOL if "final_answer" in self.tools else FINISH_TEXT
         self.state.sync(self.syntax.render(self.rt.tokenizer, self.messages, self.prompt_tools, finish))
-        grammar = lark_grammar(list(self.tools.values()), self.syntax, choice, self.max_string)
+        allowed = list(self.tools.values())
+        if choice == "required" and first and len(allowed) > 1:  # "required": use a real tool before answering
+            allowed = [t for t in allowed if t.name != "final_answer"]
+        grammar = lark_grammar(allowed, self.syntax, choice, self.max_string)
         constraint = Constraint(self.rt.tokenizer, self.n_vocab, grammar) if grammar else None
         seed = None if self.seed is None else self.seed + index
         tokens = list(self.state.step(self.max_tokens, self.eos, self.temperature, self.top_p, constraint, seed))
