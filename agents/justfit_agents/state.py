@@ -253,10 +253,12 @@ class SessionState(MemoryState):
         s.checkpoint()
 
     def tool_phase(self):
-        phase = getattr(self.session, "tool_phase", None) or getattr(self.rt, "tool_phase", None)
-        if phase is None:
-            return contextlib.nullcontext()
-        return phase() if phase is getattr(self.session, "tool_phase", None) else phase(self.session)
+        """The session's tool phase (PhaseSwap checkpoints it, then releases weights and KV)."""
+        if callable(getattr(self.session, "tool_phase", None)):
+            return self.session.tool_phase()
+        if callable(getattr(self.rt, "tool_phase", None)):
+            return self.rt.tool_phase(self.session)
+        return contextlib.nullcontext()
 
 
 def _phase(rt, name: str) -> None:
