@@ -55,6 +55,7 @@ def test_each_step_prefills_only_new_tokens(tiny):
     a = Agent(tiny, system="Reuse test system prompt.", tools=[lookup], tool_choice="required",
               max_steps=3, temperature=1.0, seed=11, max_string=16)
     del a.tools["final_answer"]  # a random model may finish at once; this test needs several steps
+    a.stop_on_repeat = False
     r = a.run("Find key 3.")
     assert len(r.steps) == 3
     s0, s1 = r.steps[0].stats, r.steps[1].stats
@@ -67,6 +68,13 @@ def test_each_step_prefills_only_new_tokens(tiny):
     assert s1["prefilled_tokens"] <= new + s0["unfed_tokens"] + 12  # result message + turn markers
     calls = [s for s in r.steps if s.call and s.call.name == "lookup"]
     assert len(calls) == 3 and tiny.phases - before == 3  # each (non-final) tool ran in a tool phase
+
+
+def test_repeated_call_stops_with_its_result(tiny):
+    a = Agent(tiny, tools=[lookup], tool_choice={"name": "lookup"}, max_steps=4, max_string=1, temperature=0.0)
+    del a.tools["final_answer"]
+    r = a.run("Find key 1.")  # greedy, one-char keys: the same call comes back
+    assert r.stopped == "repeat" and len(r.steps) == 2 and r.answer == r.steps[-1].call.result
 
 
 def test_agents_sharing_a_system_prompt_reuse_it(tiny):

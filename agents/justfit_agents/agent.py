@@ -55,7 +55,7 @@ class Event:
 class Result:
     answer: str
     steps: List[Step]
-    stopped: str  # 'answer' | 'max_steps' | 'stop' | 'length'
+    stopped: str  # 'answer' | 'max_steps' | 'stop' | 'repeat' (same call twice) | 'length'
     stats: dict = field(default_factory=dict)
 
     @property
@@ -97,11 +97,12 @@ class Agent:
                  tool_choice="auto", max_steps: int = 8, max_tokens: int = 512, temperature: float = 0.0,
                  top_p: float = 1.0, seed: Optional[int] = None, result_tokens: int = 384,
                  max_string: int = 160, stop: Optional[Callable[[Step], bool]] = None,
-                 subagents: bool = False, _state=None, _messages=None, _prompt_tools=None):
+                 subagents: bool = False, stop_on_repeat: bool = True, _state=None, _messages=None, _prompt_tools=None):
         choice_name(tool_choice)  # validates
         self.rt, self.system, self.tool_choice = runtime, system, tool_choice
         self.max_steps, self.max_tokens, self.temperature, self.top_p = max_steps, max_tokens, temperature, top_p
         self.seed, self.result_tokens, self.max_string, self.stop = seed, result_tokens, max_string, stop
+        self.stop_on_repeat = stop_on_repeat
         self.syntax = detect(runtime.tokenizer)
         self.tools = as_tools(tools)
         if tool_choice not in ("auto", "none") and "final_answer" not in self.tools:
@@ -153,6 +154,10 @@ class Agent:
                 break
             if self.stop is not None and self.stop(step):
                 stopped = "stop"
+                break
+            prev = steps[-2].call if len(steps) > 1 else None
+            if self.stop_on_repeat and prev is not None and (prev.name, prev.arguments) == (step.call.name, step.call.arguments):
+                answer, stopped = step.call.result, "repeat"  # same call again: its result is the answer
                 break
         self.history += steps
         if self.state.name:
