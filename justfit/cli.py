@@ -33,6 +33,21 @@ from .probe.cli import probe as _probe  # noqa: E402
 app.add_typer(bench_app, name="bench")
 app.command("probe")(_probe)
 
+
+def _agent_app():
+    """The `justfit agent` group from justfit_agents (source in agents/; installed by pip)."""
+    try:
+        from justfit_agents.cli import app as agent_app
+    except ImportError:  # a bare checkout without `pip install -e .`
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agents"))
+        from justfit_agents.cli import app as agent_app
+    return agent_app
+
+
+app.add_typer(_agent_app(), name="agent")
+
 from .statetrans.cli import app as sessions_app  # noqa: E402
 
 app.add_typer(sessions_app, name="sessions")

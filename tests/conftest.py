@@ -24,6 +24,8 @@ def pytest_configure(config):
 
 # Test helper modules (statetrans_util, gguf_writer, ...) import by bare name from this folder.
 sys.path.insert(0, str(Path(__file__).parent))
+# justfit_agents lives in agents/; `pip install -e .` makes it importable, a bare checkout needs this.
+sys.path.insert(1, str(Path(__file__).parent.parent / "agents"))
 
 TEST_HOME = Path(os.environ.get("JUSTFIT_TEST_HOME", Path.home() / ".cache" / "justfit-tests"))
 
