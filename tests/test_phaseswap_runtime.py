@@ -28,8 +28,9 @@ def two_turns(rt, release: bool):
     add_cache(rt, name, cache)
     released = active = 0
     if release:
+        before = mx.get_active_memory()
         with rt.tool_phase() as released:
-            active = mx.get_active_memory()
+            active = before - mx.get_active_memory()  # freed: other tests' arrays may stay alive
             assert not rt.phaseswap.components[name].resident
             assert not any(c["resident"] for c in rt.residency()["components"])
     second = first + out1 + rt.tokenizer.encode("\nThanks. Now only the first line:", add_special_tokens=False)
@@ -47,7 +48,7 @@ def test_tool_phase_release_then_bit_identical_continuation(rt):
     got = two_turns(rt, release=True)
     assert got[0] == ref[0] and got[1] == ref[1]
     assert got[2] >= weights  # every weight byte (and the KV) was released
-    assert got[3] <= 0.05 * weights  # MLX active memory during the tool phase
+    assert got[3] >= 0.95 * weights  # MLX active memory fell by (almost) all the weights
     assert got[4]["reload_s"] > 0 and ref[4]["reload_s"] == 0
     assert rt.residency()["phase"] == "idle"
 
