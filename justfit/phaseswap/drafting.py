@@ -109,7 +109,7 @@ class DraftModel:
 class Gate:
     """Turns drafting off when draft+verify emits tokens slower than plain steps; re-probes later."""
 
-    def __init__(self, margin: float = 0.95, alpha: float = 0.3, min_passes: int = 2):
+    def __init__(self, margin: float = 1.0, alpha: float = 0.3, min_passes: int = 1):
         self.margin, self.alpha, self.min_passes = margin, alpha, min_passes
         self.plain_s: Optional[float] = None  # seconds per token, plain decode (EMA)
         self.spec_s: Optional[float] = None  # seconds per emitted token, draft+verify (EMA)
