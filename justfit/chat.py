@@ -1,7 +1,7 @@
 """`justfit chat`: one-shot (--prompt or piped stdin) or an interactive REPL with history."""
 
 import sys
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import typer
 
@@ -44,15 +44,13 @@ def one_shot(rt, prompt: str, system: Optional[str], opts: dict, show_residency:
     _residency(rt, show_residency)
 
 
-def repl(rt, system: Optional[str], opts: dict, show_residency: bool = False) -> None:
-    """Interactive chat: history across turns, /reset, /stats, /exit, Ctrl-D exits."""
+def _lines(banner: str) -> Iterator[str]:
+    """REPL input: yields each non-empty line; Ctrl-C at the prompt is ignored, Ctrl-D or /exit ends."""
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    start = [{"role": "system", "content": system}] if system else []
-    messages = list(start)
-    typer.echo("justfit chat — /reset clears history, /stats shows the last turn, /exit or Ctrl-D quits.", err=True)
+    typer.echo(banner, err=True)
     while True:
         try:
             line = input(">>> ")
@@ -62,23 +60,29 @@ def repl(rt, system: Optional[str], opts: dict, show_residency: bool = False) ->
         except KeyboardInterrupt:
             typer.echo("", err=True)
             continue
-        cmd = line.strip()
-        if not cmd:
-            continue
-        if cmd in ("/exit", "/quit"):
+        if line.strip() in ("/exit", "/quit"):
             return
+        if line.strip():
+            yield line
+
+
+def repl(rt, system: Optional[str], opts: dict, show_residency: bool = False) -> None:
+    """Interactive chat: history across turns, /reset, /stats, /exit, Ctrl-D exits."""
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    for line in _lines("justfit chat — /reset clears history, /stats shows the last turn, /exit or Ctrl-D quits."):
+        cmd = line.strip()
         if cmd == "/reset":
             messages = list(start)
             typer.echo("[history cleared]", err=True)
-            continue
-        if cmd == "/stats":
+        elif cmd == "/stats":
             typer.echo(format_stats(rt.last_stats) if rt.last_stats else "[no turn yet]", err=True)
-            continue
-        messages.append({"role": "user", "content": line})
-        messages.append({"role": "assistant", "content": _reply(rt, messages, opts)})
-        if show_residency:
-            typer.echo(format_stats(rt.last_stats), err=True)
-            _residency(rt, True)
+        else:
+            messages.append({"role": "user", "content": line})
+            messages.append({"role": "assistant", "content": _reply(rt, messages, opts)})
+            if show_residency:
+                typer.echo(format_stats(rt.last_stats), err=True)
+                _residency(rt, True)
 
 
 def _show_history(session, out) -> None:
@@ -104,26 +108,15 @@ def session_chat(rt, name: str, prompt: Optional[str], system: Optional[str], op
             typer.echo(format_stats(session.last_stats), err=True)
             _residency(rt, show_residency)
             return
-        typer.echo(f"justfit chat, session {name!r} — /reset clears it, /stats, /exit or Ctrl-D quits.", err=True)
-        while True:
-            try:
-                line = input(">>> ")
-            except EOFError:
-                typer.echo("", err=True)
-                return
-            except KeyboardInterrupt:
-                typer.echo("", err=True)
-                continue
+        for line in _lines(f"justfit chat, session {name!r} — /reset clears it, /stats, /exit or Ctrl-D quits."):
             cmd = line.strip()
-            if cmd in ("/exit", "/quit"):
-                return
             if cmd == "/reset":
                 session.rewind(len(session.tokens))
                 first = [{"role": "system", "content": system}] if system else []
                 typer.echo("[session cleared]", err=True)
             elif cmd == "/stats":
                 typer.echo(format_stats(session.last_stats) if session.last_stats else "[no turn yet]", err=True)
-            elif cmd:
+            else:
                 _reply(session, first + [{"role": "user", "content": line}], opts)
                 first = []
                 _residency(rt, show_residency)

@@ -39,3 +39,21 @@ def test_sessions_cli(tmp_path, monkeypatch):
     r.invoke(app, ["sessions", "gc"])
     assert store.pages() == []
     assert "no sessions" in r.invoke(app, ["sessions", "list"]).output
+
+
+def test_session_chat_repl_keeps_turns_across_a_restart(tmp_path, monkeypatch):
+    """`justfit chat --session`: the REPL's turns land in the session and a new Runtime resumes them."""
+    import builtins
+
+    from statetrans_util import runtime, tiny_model_folder
+
+    from justfit.chat import session_chat
+
+    folder, home = tiny_model_folder(tmp_path / "models"), tmp_path / "home"
+    lines = iter(["hello there", "/stats", "and again", "/exit", "never read"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    session_chat(runtime(folder, home), "talk", None, None, {"max_tokens": 3})
+    assert next(lines) == "never read"  # /exit ended the loop
+    resumed = runtime(folder, home).session("talk")
+    users = [m["content"] for m in resumed.messages if m["role"] == "user"]
+    assert users == ["hello there", "and again"] and len(resumed.messages) == 4
