@@ -80,9 +80,16 @@ def test_import_is_cached_and_listed(tmp_path):
 
 
 def test_spm_tokenizer_gguf_loads_and_generates(tmp_path):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
     import justfit
 
     g = write_tiny_llama_gguf(tmp_path / "spm.gguf", tensor_type="Q8_0", tokenizer="llama")
     rt = justfit.Runtime(model=str(g.path), kv=justfit.KVConfig(bits=16), home=tmp_path / "home")
+    ids = rt.encode("the quick brown fox")
+    assert "quick brown fox" in rt.tokenizer.decode(ids)  # SPM vocab through the chat template
     out = rt.generate("the quick brown fox", max_tokens=4)
-    assert 1 <= len(out.tokens) <= 4 or out.stats["finish_reason"] == "stop"
+    ref = [t for t, _ in generate_step(mx.array(ids), rt.model, max_tokens=4)]
+    assert out.tokens == ref[: len(out.tokens)]
+    assert len(out.tokens) == 4 or out.stats["finish_reason"] == "stop"
