@@ -62,11 +62,11 @@ def _justfit(rt, steps: int, guide_repeat: int):
     rows, work = [], []
     for s in result.steps:
         st = s.stats
-        p, g = st["prompt_tokens"], st["generated_tokens"]
+        p, g = st.prompt_tokens, st.generated_tokens
         work.append((toks[:p], toks[p:p + g]))
-        rows.append({"system": "justfit", "step": s.index, "prompt_tokens": p, "reused_tokens": st["reused_tokens"],
-                     "prefilled_tokens": st["prefilled_tokens"], "generated_tokens": g, "ttft_s": st["ttft_s"],
-                     "turn_s": st["turn_s"], "tool": s.call.name if s.call else None})
+        rows.append({"system": "justfit", "step": s.index, "prompt_tokens": p, "reused_tokens": st.reused_tokens,
+                     "prefilled_tokens": st.prefilled_tokens, "generated_tokens": g, "ttft_s": st.ttft_s,
+                     "turn_s": st.turn_s, "tool": s.call.name if s.call else None})
     return rows, work, wall
 
 
