@@ -19,7 +19,7 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except UserError as e:
             typer.echo(f"justfit: error: {e}", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
 
 
 app = typer.Typer(cls=_Group, no_args_is_help=True, add_completion=False,

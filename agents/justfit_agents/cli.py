@@ -46,9 +46,7 @@ def run(
     """Run a ready agent on a task; steps stream to stderr, the final answer goes to stdout."""
     from pathlib import Path
 
-    from justfit.config import KVConfig
-    from justfit.errors import UserError
-    from justfit.runtime import Runtime
+    from justfit import KVConfig, Runtime, UserError
 
     from .ready import READY
     from .sandbox import SandboxError

@@ -70,6 +70,14 @@ def _justfit(rt, steps: int, guide_repeat: int):
     return rows, work, wall
 
 
+def _replay(gen):
+    """An mlx-lm sampler that returns the agent's own tokens in order (same work, same outputs)."""
+    import mlx.core as mx
+
+    it = iter(gen)
+    return lambda logprobs: mx.array([next(it, gen[-1])])
+
+
 def _mlx_lm(model, work, reuse: bool):
     """Replay the steps on mlx-lm's generate_step with a KVCache: fresh each step, or one cache
     trimmed to the longest common prefix with the next prompt."""
@@ -89,8 +97,7 @@ def _mlx_lm(model, work, reuse: bool):
             trim_prompt_cache(cache, len(held) - keep)
         else:
             cache = make_prompt_cache(model)
-        it = iter(gen)
-        forced = lambda logprobs: mx.array([next(it, gen[-1])])  # noqa: E731  (replay the agent's tokens)
+        forced = _replay(gen)
         ttft = None
         for _ in generate_step(mx.array(prompt[keep:]), model, max_tokens=len(gen), sampler=forced, prompt_cache=cache):
             ttft = ttft or time.perf_counter() - t0
