@@ -17,7 +17,7 @@ WRONG_VALUES = [None, "x", -1, 2**31, 10**12, [], {}, 1.5, True, [[1]], ["a"], {
 FIELDS = ["name", "model_fingerprint", "tokenizer_fingerprint", "kv", "kv.page_size", "kv.bits", "kv.name",
           "tokens", "tokens.0", "tokens.-1", "pages", "pages.0", "pages.0.hash", "pages.0.sha256", "pages.-1.hash",
           "messages", "messages.0", "messages.0.role", "messages.0.content", "messages.-1.end", "created", "parent",
-          "model", "updated"]
+          "model", "updated", "open_page", "open_page.tokens", "open_page.hash"]
 BYTE_KINDS = ["truncate", "bitflip", "zero", "append", "empty", "random", "delete"]
 
 

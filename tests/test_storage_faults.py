@@ -79,7 +79,7 @@ def reset(saved):
     for sub in ("sessions", "store"):
         shutil.rmtree(home / sub, ignore_errors=True)
         shutil.copytree(saved["golden"] / sub, home / sub, symlinks=True)
-    index = rt.prefix_index()
+    index = rt.index
     index.evict_memory(0)
     index.store.known.clear()
     index.checksums.clear()

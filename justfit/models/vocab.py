@@ -47,3 +47,8 @@ def check_token_ids(ids: Sequence[int], vocab_size: Optional[int], what: str = "
             raise UserError(f"{what}: token id {t} at position {i} is outside the vocabulary (0..{limit - 1})")
         out.append(t)
     return out
+
+
+def check_tokens(tokens, size: Optional[int]):
+    """The generation path's name for check_token_ids (same checks, same error)."""
+    check_token_ids(tokens, size)

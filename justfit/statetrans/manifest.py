@@ -65,6 +65,7 @@ class Manifest:
     tokens: List[int] = field(default_factory=list)
     pages: List[dict] = field(default_factory=list)  # [{"hash", "sha256", "bytes"}] for tokens[:len*P]
     messages: List[dict] = field(default_factory=list)  # [{"role", "content", "end"}]
+    open_page: Optional[dict] = None  # {"hash", "sha256", "tokens"}: the partial last page, full precision
     model: str = ""
     parent: Optional[str] = None
     created: float = field(default_factory=time.time)
@@ -121,6 +122,11 @@ class Manifest:
             _expect(isinstance(p, dict) and isinstance(p.get("hash"), str) and HEX64.fullmatch(p["hash"]) is not None
                     and (p.get("sha256") is None or isinstance(p["sha256"], str) and HEX64.fullmatch(p["sha256"])),
                     f"pages[{i}]")
+        op = self.open_page
+        _expect(op is None or isinstance(op, dict) and isinstance(op.get("hash"), str)
+                and HEX64.fullmatch(op["hash"]) is not None
+                and (op.get("sha256") is None or isinstance(op["sha256"], str) and HEX64.fullmatch(op["sha256"]))
+                and _is_type(op.get("tokens"), int) and 0 < op["tokens"] < self.kv["page_size"], "open_page")
         _expect(isinstance(self.messages, list), "messages")
         for i, msg in enumerate(self.messages):
             _expect(isinstance(msg, dict) and isinstance(msg.get("role"), str)
