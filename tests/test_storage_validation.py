@@ -27,7 +27,8 @@ KV = {"name": "q4-affine", "bits": 4, "format": "affine", "group_size": 64, "pag
 
 def manifest(name="s", n=10, **kw):
     return Manifest(name, "m" * 16, "t" * 16, dict(KV), list(range(n)), [{"hash": "ab" * 32, "sha256": None}],
-                    [{"role": "user", "content": "hi", "end": n}], **kw)
+                    [{"role": "user", "content": "hi", "end": n}], open_page={"hash": "cd" * 32, "sha256": None, "tokens": 2},
+                    **kw)
 
 
 # -- token ids -----------------------------------------------------------------------------------------
