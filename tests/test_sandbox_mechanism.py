@@ -102,3 +102,19 @@ def test_describe_and_limits_are_real(tmp_path):
     ws = Workspace(tmp_path, timeout=5)
     out = ws.run_python("import resource as r\nprint(r.getrlimit(r.RLIMIT_AS)[0], r.getrlimit(r.RLIMIT_FSIZE)[0], r.getrlimit(r.RLIMIT_CPU)[0])")
     assert out.split()[:3] == [str(2 << 30), str(256 << 20), "7"]
+
+
+@needs_landlock
+def test_ordinary_work_still_runs_inside(tmp_path):
+    ws = Workspace(tmp_path, timeout=20, shell_allow=["git", "ls", "python3"])
+    code = ("import os, subprocess, tempfile, asyncio, json\n"
+            "open('out.txt', 'w').write('hi'); os.makedirs('d/e', exist_ok=True); os.rename('out.txt', 'd/e/o.txt')\n"
+            "with tempfile.NamedTemporaryFile() as f: f.write(b'x')\n"
+            "print(subprocess.run(['ls', 'd/e'], capture_output=True, text=True).stdout.strip())\n"
+            "asyncio.run(asyncio.sleep(0)); print(json.dumps({'ok': 1}))\n"
+            "import numpy; print(int(numpy.arange(4).sum()))\n")
+    out = ws.run_python(code)
+    assert out.split() == ["o.txt", '{"ok":', "1}", "6"], out
+    assert "Initialized empty Git repository" in ws.shell("git init -q . --template=") or (tmp_path / ".git").is_dir()
+    assert (tmp_path / ".git").is_dir()
+    assert ws.shell("python3 -c 'print(2 + 2)'").strip() == "4"

@@ -20,7 +20,7 @@ from . import landlock, seatbelt, seccomp
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confine.py")
 SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
-               "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives",
+               "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives", "/etc/gitconfig",
                "/dev/urandom", "/dev/random", "/dev/zero")
 DEVICE_WRITE = ("/dev/null",)
 
