@@ -21,6 +21,8 @@ from ..models.chat import chat_text, encode_text
 from ..models.vocab import check_tokens, vocab_size
 from ..turns import Generation, TurnStats
 from .checkpoint import commit, open_page_tensors, page_loaders
+from .lock import acquire as acquire_lock  # issue 15
+from .lock import release as release_lock  # issue 15
 from .manifest import Manifest, check_name, manifest_path, read_manifest, warn
 from .store import CorruptPage, StoreWriteError
 
@@ -59,8 +61,17 @@ class Session:
     def open(cls, rt, name: str, checkpoint_every: Optional[int] = CHECKPOINT_EVERY) -> "Session":
         """Resume the named session from its manifest, or start it empty."""
         check_name(name)
+        acquire_lock(rt.home, name)  # issue 15: one writer process per session (statetrans/lock.py)
+        try:
+            return cls._open(rt, name, checkpoint_every)
+        except BaseException:
+            release_lock(rt.home, name)
+            raise
+
+    @classmethod
+    def _open(cls, rt, name: str, checkpoint_every: Optional[int]) -> "Session":
         start = time.perf_counter()
-        m = read_manifest(rt.home, name)
+        m = read_manifest(rt.home, name, vocab_size(rt.model))  # issue 15: S.prev.json fallback, ids checked
         if m is None:
             return cls(rt, name, checkpoint_every=checkpoint_every)
         index = rt.index
@@ -340,6 +351,7 @@ class Session:
         if self.kv_name:
             self.rt.unregister_kv(self.kv_name)
         self.closed = True
+        release_lock(self.rt.home, self.name)  # issue 15
 
     def _check_open(self):
         if self.closed:

@@ -109,12 +109,13 @@ def decode_header(blob: bytes) -> Tuple[dict, int]:
     if not isinstance(meta, dict) or meta.get("format") != PAGE_FORMAT or meta.get("version") != PAGE_VERSION:
         raise CorruptPage("not a version-1 JustFit page")
     start, end = 8 + n, 8
+    if not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptPage("metadata values must be strings")
     for name, e in header.items():
-        try:
-            lo, hi = e["data_offsets"]
-            size = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(DTYPES[e["dtype"]]).itemsize
-        except (KeyError, TypeError, ValueError):
-            raise CorruptPage(f"bad tensor entry {name!r}") from None
+        if not _tensor_entry_ok(e):
+            raise CorruptPage(f"bad tensor entry {name!r}")
+        lo, hi = e["data_offsets"]
+        size = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(DTYPES[e["dtype"]]).itemsize
         if hi - lo != size or lo < 0 or start + hi > len(blob):
             raise CorruptPage(f"tensor {name!r} out of bounds (truncated?)")
         end = max(end, hi)
@@ -124,6 +125,14 @@ def decode_header(blob: bytes) -> Tuple[dict, int]:
         raise CorruptPage("checksum mismatch")
     header["__metadata__"] = meta
     return header, start
+
+
+def _tensor_entry_ok(e) -> bool:
+    """A header entry is {"dtype": known tag, "shape": [ints >= 0], "data_offsets": [lo <= hi]} (typed check)."""
+    ints = lambda xs, n=None: isinstance(xs, list) and (n is None or len(xs) == n) and all(  # noqa: E731
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**48 for x in xs)
+    return (isinstance(e, dict) and e.get("dtype") in DTYPES and ints(e.get("shape")) and len(e["shape"]) <= 8
+            and ints(e.get("data_offsets"), 2) and e["data_offsets"][0] <= e["data_offsets"][1])
 
 
 class PageFile:
