@@ -18,7 +18,7 @@ from typing import Iterator, List, Optional
 from ..errors import UserError
 from ..kvexec import Page
 from ..models.chat import chat_text, encode_text
-from ..models.vocab import check_tokens, vocab_size
+from ..models.vocab import check_token_ids, vocab_size
 from ..turns import Generation, TurnStats
 from .checkpoint import commit, open_page_tensors, page_loaders
 from .lock import acquire as acquire_lock  # issue 15
@@ -253,7 +253,7 @@ class Session:
         """Append raw token ids to the history without generating (their K/V come with the next turn or
         prefill())."""
         self._check_open()
-        check_tokens(list(tokens), vocab_size(self.rt.model))
+        check_token_ids(list(tokens), vocab_size(self.rt.model))
         self.tokens += list(tokens)
         self.dirty = True
 
