@@ -19,7 +19,7 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except UserError as e:
             typer.echo(f"justfit: error: {e}", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
 
 
 app = typer.Typer(cls=_Group, no_args_is_help=True, add_completion=False,
@@ -161,10 +161,7 @@ def info():
 
 
 def main():
-    """Console entry point: fast BLAS re-exec, then the app; internal errors exit 1 in one line."""
-    from .blas import maybe_reexec
-
-    maybe_reexec(sys.argv)
+    """Console entry point (OpenBLAS is already loaded by `import justfit`); internal errors exit 1 in one line."""
     try:
         rc = app(standalone_mode=False, prog_name="justfit")
     except KeyboardInterrupt:
