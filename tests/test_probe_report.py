@@ -131,3 +131,26 @@ def test_cli_module_does_not_import_mlx_and_compare_runs(tmp_path):
     assert "anomalous intervals:" in res.output and (tmp_path / "c" / "compare.png").exists()
     res = CliRunner().invoke(app, ["--budgets", "1:2"])
     assert isinstance(res.exception, UserError)
+
+
+def test_without_matplotlib_json_and_csv_are_written_and_the_hint_given(tmp_path, monkeypatch):
+    """matplotlib is the [plot] extra: without it the probe still writes its data and says how to draw."""
+    import justfit.probe.plot as plot
+    from justfit.probe.cli import write_outputs
+
+    monkeypatch.setattr(plot, "have_matplotlib", lambda: False)
+    text = write_outputs(synthetic_report(), tmp_path / "out", save_map=False)
+    assert (tmp_path / "out" / "probe.json").is_file() and (tmp_path / "out" / "probe.csv").is_file()
+    assert not (tmp_path / "out" / "probe.png").exists()
+    assert "pip install 'justfit[plot]'" in text and "--plot" in text
+
+
+def test_plot_from_an_existing_probe_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from justfit.cli import app
+
+    report.write_json(synthetic_report(), tmp_path / "probe.json")
+    r = CliRunner().invoke(app, ["probe", "--plot", str(tmp_path / "probe.json"), "--out", str(tmp_path / "pics")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "pics" / "probe.png").read_bytes()[:4] == b"\x89PNG"
