@@ -11,6 +11,8 @@ from typing import Iterator, List, Optional
 
 import typer
 
+from .progress import LateSpinner
+
 
 def stats_dict(stats) -> dict:
     """A turn's stats as a plain dict, whether the runtime hands a TurnStats or (older) a dict."""
@@ -44,12 +46,15 @@ class ChatOutput:
         the reply early and keeps what was said (and the stats up to there, for /stats)."""
         parts, stopped = [], False
         gen = source.stream(messages, **opts)
+        wait = LateSpinner("prefilling the prompt ...", after=2.0)  # only for prefills longer than 2 s
         try:
-            for chunk in gen:
-                parts.append(chunk.text)
-                if not self.json_out:
-                    sys.stdout.write(chunk.text)
-                    sys.stdout.flush()
+            with wait:
+                for chunk in gen:
+                    wait.stop()  # the first token: the prefill is over
+                    parts.append(chunk.text)
+                    if not self.json_out:
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
         except KeyboardInterrupt:
             stopped = True
         finally:
