@@ -133,8 +133,13 @@ def chat(
     if any(not s for s in stop or []):
         raise UserError("--stop needs a non-empty string")
     kv = KVConfig(bits=int(kv_bits.value), format=kv_format.value)
+    steering = None
+    if avoid_regimes:
+        from .probe.maps import RegimeSteering
+
+        steering = RegimeSteering(model, kv)
     rt = Runtime(model=model, kv=kv, memory_budget=parse_budget(memory_budget), draft_model=draft_model,
-                 avoid_regimes=avoid_regimes)
+                 steering=steering)
     opts = sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop,
                             None if seed == -1 else seed)
     out = ChatOutput(json_out=json, residency=stats)
