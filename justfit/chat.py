@@ -11,7 +11,7 @@ from typing import Iterator, List, Optional
 
 import typer
 
-from .progress import LateSpinner
+from .progress import LateBar
 
 
 def stats_dict(stats) -> dict:
@@ -45,19 +45,19 @@ class ChatOutput:
         """Run one turn on `source` (a Runtime or a Session), show it, keep its stats; Ctrl-C stops
         the reply early and keeps what was said (and the stats up to there, for /stats)."""
         parts, stopped = [], False
-        gen = source.stream(messages, **opts)
-        wait = LateSpinner("prefilling the prompt ...", after=2.0)  # only for prefills longer than 2 s
+        prefill = LateBar("prefilling the prompt (tokens)", after=2.0)  # drawn only for prefills over 2 s
+        gen = source.stream(messages, **opts, progress=prefill)
         try:
-            with wait:
-                for chunk in gen:
-                    wait.stop()  # the first token: the prefill is over
-                    parts.append(chunk.text)
-                    if not self.json_out:
-                        sys.stdout.write(chunk.text)
-                        sys.stdout.flush()
+            for chunk in gen:
+                prefill.close()
+                parts.append(chunk.text)
+                if not self.json_out:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
         except KeyboardInterrupt:
             stopped = True
         finally:
+            prefill.close()
             gen.close()  # run the stream's own cleanup now, so its stats are final before we read them
         text = "".join(parts)
         self.last = {**stats_dict(getattr(source, "last_stats", None)), "stopped": stopped}

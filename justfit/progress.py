@@ -1,8 +1,8 @@
-"""Progress on stderr with rich: a bar for counted work, a spinner for a long wait (a long prefill).
+"""Progress on stderr with rich: a bar for counted work, and one that shows up late (long prefills).
 Both draw only when stderr is a terminal, so logs, pipes and tests stay clean."""
 
 import sys
-import threading
+import time
 from contextlib import contextmanager
 
 
@@ -27,35 +27,30 @@ def bar(total: int, label: str):
         yield lambda n=1: progress.advance(task, n)
 
 
-class LateSpinner:
-    """A spinner that appears only when a wait outlasts `after` seconds and vanishes when it ends."""
+class LateBar:
+    """A `progress(done, total)` callback (the engine calls it after each prefill chunk) whose bar
+    appears only once the work has taken `after` seconds, so short prefills draw nothing."""
 
     def __init__(self, label: str, after: float = 2.0):
-        self.label, self.after, self.lock = label, after, threading.Lock()
-        self.status, self.done, self.timer = None, False, None
+        self.label, self.after, self.start = label, after, time.perf_counter()
+        self.progress, self.task = None, None
 
-    def __enter__(self):
-        if sys.stderr.isatty():
-            self.timer = threading.Timer(self.after, self._show)
-            self.timer.daemon = True
-            self.timer.start()
-        return self
+    def __call__(self, done: int, total: int) -> None:
+        if self.progress is None:
+            if done >= total or time.perf_counter() - self.start < self.after or not sys.stderr.isatty():
+                return
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    def _show(self):
-        with self.lock:
-            if not self.done:
-                self.status = _console().status(self.label)
-                self.status.start()
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeRemainingColumn(), console=_console(), transient=True)
+            self.task = self.progress.add_task(self.label, total=total)
+            self.progress.start()
+        self.progress.update(self.task, completed=done)
+        if done >= total:
+            self.close()
 
-    def stop(self):
-        """End the wait (idempotent): cancel the timer, clear the spinner if it is showing."""
-        with self.lock:
-            self.done = True
-            if self.timer is not None:
-                self.timer.cancel()
-            if self.status is not None:
-                self.status.stop()
-                self.status = None
-
-    def __exit__(self, *exc):
-        self.stop()
+    def close(self) -> None:
+        """Clear the bar if it is showing (idempotent)."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None

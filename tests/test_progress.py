@@ -4,7 +4,7 @@ import io
 import sys
 import time
 
-from justfit.progress import LateSpinner, bar
+from justfit.progress import LateBar, bar
 
 
 class _TTY(io.StringIO):
@@ -12,15 +12,19 @@ class _TTY(io.StringIO):
         return True
 
 
-def test_late_spinner_only_for_long_waits(monkeypatch):
+def test_late_bar_only_for_long_work(monkeypatch):
     monkeypatch.setattr(sys, "stderr", _TTY())
-    with LateSpinner("prefilling quick", after=5.0):
-        time.sleep(0.05)
+    quick = LateBar("prefilling quick", after=5.0)
+    for done in (512, 1024, 1536):
+        quick(done, 2048)
+    quick.close()
     assert "prefilling quick" not in sys.stderr.getvalue()
-    with LateSpinner("prefilling slow", after=0.05) as wait:
-        time.sleep(0.5)
-        wait.stop()
-    assert "prefilling slow" in sys.stderr.getvalue()
+    slow = LateBar("prefilling slow", after=0.05)
+    slow(512, 2048)
+    time.sleep(0.1)
+    slow(1024, 2048)  # past the delay: the bar shows from here
+    slow(2048, 2048)  # done: it closes itself
+    assert "prefilling slow" in sys.stderr.getvalue() and slow.progress is None
 
 
 def test_bar_draws_on_a_terminal_and_stays_silent_in_a_pipe(monkeypatch):
