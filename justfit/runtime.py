@@ -70,10 +70,13 @@ class Runtime:
         """Bring released weights back now: for callers that use `rt.model` outside a turn."""
         self.phaseswap.enter("resident")
 
-    def session(self, name: str, **options):
-        """Create or resume the named StateTrans session (persisted under JUSTFIT_HOME/sessions)."""
+    def session(self, name: Optional[str], **options):
+        """Create or resume the named StateTrans session (persisted under JUSTFIT_HOME/sessions);
+        name=None gives an in-memory session (shares pages the same way, writes nothing)."""
         from .statetrans.session import Session
 
+        if name is None:
+            return Session(self, None, persist=False, **options)
         return Session.open(self, name, **options)
 
     # -- residency (PhaseSwap) ----------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Iterator, List, Optional
 
 from ..errors import UserError
 from ..models.chat import chat_text, encode_text
+from ..models.vocab import check_tokens, vocab_size
 from ..turns import Generation, TurnStats
 from .checkpoint import commit, open_page_tensors, page_loaders
 from .manifest import Manifest, check_name, manifest_path, read_manifest, warn
@@ -207,6 +208,20 @@ class Session:
         mx.eval([c.state for c in self.cache])
 
     # -- history edits --------------------------------------------------------------------------
+    def append(self, tokens: List[int]):
+        """Append raw token ids to the history without generating (their K/V come with the next turn or
+        prefill())."""
+        self._check_open()
+        check_tokens(list(tokens), vocab_size(self.rt.model))
+        self.tokens += list(tokens)
+        self.dirty = True
+
+    def set_messages(self, messages: List[dict]):
+        """Replace the recorded chat messages (a front that renders its own prompts, like an agent loop,
+        keeps them here so a resumed session can show and continue them)."""
+        self.messages = [dict(m, end=min(m.get("end", len(self.tokens)), len(self.tokens))) for m in messages]
+        self.dirty = True
+
     def rewind(self, n_tokens: int):
         """Drop the last n tokens of the history (and their K/V; shared pages are copied on write)."""
         self._check_open()
@@ -219,16 +234,18 @@ class Session:
 
     def fork(self, child: Optional[str] = None) -> "Session":
         """A new session sharing every page of this one without copying (copy-on-write at the partial
-        last page); a persisted child is committed at once (no page bytes: they are the parent's)."""
+        last page); a named child of a persisted session is committed at once (no page bytes: they are
+        the parent's), child=None gives an in-memory one."""
         from ..kvexec import fork_caches
 
         self._check_open()
-        if self.persist:
+        persist = self.persist and child is not None
+        if persist:
             check_name(child)
             if child == self.name or manifest_path(self.rt.home, child).exists():
                 raise UserError(f"session {child!r} already exists; fork into a new name")
         s = Session(self.rt, child, self.tokens, self.messages, cache=fork_caches(self.cache),
-                    parent=self.name, checkpoint_every=self.checkpoint_every, persist=self.persist)
+                    parent=self.name, checkpoint_every=self.checkpoint_every, persist=persist)
         s.checkpoint(auto=True)
         return s
 
