@@ -133,6 +133,11 @@ def chat(
     if any(not s for s in stop or []):
         raise UserError("--stop needs a non-empty string")
     kv = KVConfig(bits=int(kv_bits.value), format=kv_format.value)
+    opts = sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop,
+                            None if seed == -1 else seed)
+    from .generation import Sampling
+
+    Sampling(**{k: v for k, v in opts.items() if k != "max_tokens"})  # bad values: one line, before loading
     steering = None
     if avoid_regimes:
         from .probe.maps import RegimeSteering
@@ -140,8 +145,6 @@ def chat(
         steering = RegimeSteering(model, kv)
     rt = Runtime(model=model, kv=kv, memory_budget=parse_budget(memory_budget), draft_model=draft_model,
                  steering=steering)
-    opts = sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop,
-                            None if seed == -1 else seed)
     out = ChatOutput(json_out=json, residency=stats)
     if session is not None:
         session_chat(rt, session, prompt, system, opts, out)

@@ -48,6 +48,7 @@ def test_version_and_short_help_on_every_command():
     (["--top-k", "-1"], "--top-k"),
     (["--min-p", "2"], "--min-p"),
     (["--repetition-penalty", "0.5"], "--repetition-penalty"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),  # the engine's own check, run before loading
 ])
 def test_bad_chat_options_are_one_line_errors(tmp_path, args, message):
     r = _run(["chat", "-p", "hi", *args] if "--prompt" not in args else ["chat", *args], tmp_path)
