@@ -4,10 +4,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
 
-from .grammar import Constraint, choice_name, lark_grammar
+from justfit.grammar import Constraint, choice_name, lark_grammar, vocab_size
+from justfit.toolcalls import FINISH_TEXT, FINISH_TOOL, describe, detect
 from .state import open_state
-from .toolcalls import FINISH_TEXT, FINISH_TOOL, detect
-from .tools import Tool, as_tool, as_tools, call_tool, describe, truncate
+from .tools import Tool, as_tool, as_tools, call_tool, truncate
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Use the tools to find facts; answer briefly."
 
@@ -111,7 +111,7 @@ class Agent:
             self.tools["spawn_agent"] = as_tool(self._spawn_tool, "spawn_agent")
         self.prompt_tools: List[Tool] = _prompt_tools or list(self.tools.values())
         self.eos = set(getattr(runtime.tokenizer, "eos_token_ids", None) or [runtime.tokenizer.eos_token_id])
-        self.n_vocab = _vocab_size(runtime.model)
+        self.n_vocab = vocab_size(runtime.model)
         self.state = _state or open_state(runtime, session)
         self.messages = _messages
         if self.messages is None:
@@ -272,11 +272,3 @@ def _totals(steps: List[Step]) -> dict:
     tot["steps"] = len(steps)
     tot["tool_s"] = sum(s.call.tool_s for s in steps if s.call is not None)
     return tot
-
-
-def _vocab_size(model) -> int:
-    args = getattr(model, "args", None)
-    n = getattr(args, "vocab_size", None)
-    if n:
-        return int(n)
-    return int(model.model.embed_tokens.weight.shape[0])
