@@ -45,12 +45,18 @@ class Server:
                    "stop": stops(req.stop) or None, "logit_bias": check_logit_bias(req.logit_bias, self.n_vocab) or None,
                    "logits_processors": procs or None}
         persist = req.prompt_cache_retention == "24h"
+        if req.prompt_cache_key is not None:
+            from ..statetrans.manifest import check_name
+
+            try:
+                check_name(req.prompt_cache_key)
+            except UserError as e:
+                raise APIError(400, f"prompt_cache_key: {e}", "prompt_cache_key", "invalid_value") from None
         return self.worker.submit(Job(list(ids), max_tokens, options, req.prompt_cache_key, persist, grammar))
 
     def account(self, request, job: Job, stats: dict):
-        """Count a finished reply in the metrics and in the request's log line."""
+        """Note a finished reply in the request's log line (the worker counts it in the metrics)."""
         gen, cached = stats.get("generated_tokens", 0), stats.get("reused_tokens", 0)
-        self.metrics.turn(len(job.prompt), gen, cached, stats.get("ttft_s"))
         note = request.scope.setdefault("state", {})
         note["log"] = f"prompt={len(job.prompt)} cached={cached} completion={gen} " \
                       f"queued={time.perf_counter() - job.queued_at:.2f}s"

@@ -143,7 +143,10 @@ class Worker:
                 last = now
                 job.emit("chunk", chunk)
             stream.close()  # a cancelled turn frees its pages here, in the engine's finally
-            job.emit("end", stats_dict(getattr(src, "last_stats", None)))
+            stats = stats_dict(getattr(src, "last_stats", None))
+            self.metrics.turn(len(job.prompt), stats.get("generated_tokens", 0), stats.get("reused_tokens", 0),
+                              stats.get("ttft_s"))
+            job.emit("end", stats)
         except APIError as e:
             job.emit("error", e)
         except Exception as e:  # noqa: BLE001  (reported to the client as a 500 envelope)
