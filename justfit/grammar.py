@@ -100,8 +100,8 @@ def check_grammar(grammar: str) -> Optional[str]:
     """Why llguidance refuses a grammar (a bad schema), or None when it compiles."""
     import llguidance as llg
 
-    ok, _, errors = llg.LLMatcher.validate_grammar_with_warnings(grammar)
-    return None if ok else "; ".join(errors) if isinstance(errors, list) else str(errors)
+    bad, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    return "; ".join(m.split("\n")[0] for m in messages) or "invalid grammar" if bad else None
 
 
 def ll_tokenizer(tokenizer, n_vocab: int):
