@@ -156,14 +156,6 @@ class Constraint:
         return self.matcher.is_stopped()
 
 
-def vocab_size(model) -> int:
-    """Width of the model's logits (the `n_vocab` a Constraint masks)."""
-    n = getattr(getattr(model, "args", None), "vocab_size", None)
-    if n:
-        return int(n)
-    return int(model.model.embed_tokens.weight.shape[0])
-
-
 def validate(value, schema: dict, path: str = "$") -> List[str]:
     """Errors of value against the JSON-schema subset tools use (type, enum, const, properties,
     required, additionalProperties, items, anyOf, maxLength); [] when valid."""

@@ -4,7 +4,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
 
-from justfit.grammar import Constraint, choice_name, lark_grammar, vocab_size
+from justfit.generation import vocab_size
+from justfit.grammar import Constraint, choice_name, lark_grammar
 from justfit.toolcalls import FINISH_TEXT, FINISH_TOOL, describe, detect
 from .state import open_state
 from .tools import Tool, as_tool, as_tools, call_tool, truncate

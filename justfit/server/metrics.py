@@ -86,5 +86,5 @@ class Metrics:
 
 def pool_pages(rt) -> Tuple[int, int]:
     """(pages referenced, ids free for reuse) in the runtime's shared KV page pool."""
-    pool = rt.prefix_index().pool
+    pool = rt.index.pool
     return len(pool.refs), len(getattr(pool, "_free", ()))

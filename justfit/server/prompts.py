@@ -4,7 +4,8 @@ grammar constraint (tools, tool_choice, response_format), with a 400 for anythin
 import json
 from typing import List
 
-from ..grammar import check_grammar, json_grammar, lark_grammar, vocab_size
+from ..generation import vocab_size
+from ..grammar import check_grammar, json_grammar, lark_grammar
 from ..toolcalls import FINISH_TEXT, detect
 from .errors import APIError
 from .schema import ChatRequest, CompletionRequest, Message

@@ -8,7 +8,6 @@ engine's `finally`). Swapping in rt.submit replaces `_loop` and `_generate` only
 """
 
 import asyncio
-import inspect
 import logging
 import queue
 import threading
@@ -16,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from ..errors import UserError
 from .errors import APIError
 
 log = logging.getLogger("justfit.server")
@@ -73,7 +73,6 @@ class Worker:
         self.sessions: dict = {}
         self.busy = False
         self.released = False
-        self.extras = set(inspect.signature(rt.stream).parameters)  # what this engine build accepts
         self.thread = threading.Thread(target=self._loop, name="justfit-engine", daemon=True)
         self.thread.start()
 
@@ -86,11 +85,6 @@ class Worker:
         if self.jobs.qsize() >= self.max_queue:
             raise APIError(503, f"server busy: {self.max_queue} requests queued; retry shortly", code="queue_full",
                            retry_after=1)
-        wants = [k for k, v in job.options.items() if v] + (["constraint"] if job.grammar else [])
-        unknown = [k for k in wants if k not in self.extras]
-        if unknown:
-            raise APIError(400, f"this engine build does not support {', '.join(unknown)} yet", unknown[0],
-                           "unsupported_parameter")
         job.loop, job.out = asyncio.get_running_loop(), asyncio.Queue()
         self.jobs.put(job)
         return job
@@ -108,7 +102,8 @@ class Worker:
 
     # -- the thread -----------------------------------------------------------------------------
     def _loop(self):
-        from ..grammar import ll_tokenizer, vocab_size
+        from ..generation import vocab_size
+        from ..grammar import ll_tokenizer
 
         ll_tokenizer(self.rt.tokenizer, vocab_size(self.rt.model))  # built once here, not in the first tool request
         while True:
@@ -149,6 +144,8 @@ class Worker:
             job.emit("end", stats)
         except APIError as e:
             job.emit("error", e)
+        except UserError as e:  # the engine refused an option or the session: the client's to fix
+            job.emit("error", APIError(400, str(e), code="invalid_value"))
         except Exception as e:  # noqa: BLE001  (reported to the client as a 500 envelope)
             log.exception("generation failed")
             job.emit("error", e)
@@ -160,16 +157,12 @@ class Worker:
         """(object whose last_stats describe the turn, chunk iterator) for a job."""
         opts = {k: v for k, v in job.options.items() if v or k in ("temperature",)}
         if job.grammar:
-            from ..grammar import Constraint, vocab_size
+            from ..generation import vocab_size
+            from ..grammar import Constraint
 
             opts["constraint"] = Constraint(self.rt.tokenizer, vocab_size(self.rt.model), job.grammar)
         if job.session is None:
-            if "constraint" in self.extras:
-                return self.rt, self.rt.stream(job.prompt, job.max_tokens, **opts)
-            from ..statetrans.reuse import stream_reusing_prefix  # engines before issue 11 take no token ids
-
-            return self.rt, stream_reusing_prefix(self.rt, job.prompt, job.max_tokens, opts.get("temperature", 0.0),
-                                                  opts.get("seed"), opts.get("top_p", 1.0))
+            return self.rt, self.rt.stream(job.prompt, job.max_tokens, **opts)
         s = self._session(job.session)
         s.persist = s.persist or job.persist or self.persist
         keep = common_prefix(s.tokens, job.prompt)
@@ -181,8 +174,6 @@ class Worker:
     def _session(self, name: str):
         s = self.sessions.pop(name, None)
         if s is None:
-            from ..errors import UserError
-
             try:
                 s = self.rt.session(name)
             except UserError as e:
