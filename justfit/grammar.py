@@ -80,12 +80,22 @@ def lark_grammar(tools: list, syntax: Syntax, tool_choice: ToolChoice, max_strin
                                             lit(syntax.suffix) if syntax.suffix else "") if x)
     rules = [call, "body: %json " + json.dumps(call_schema(tools, syntax, max_string))]
     if tool_choice == "auto":
-        first = (syntax.prefix or "{")[0]
         rules.insert(0, "start: call | answer")
-        rules.append(f"answer: /[^{json.dumps(first)[1:-1]}\\s][\\s\\S]*/")
+        rules.append(_answer_rule(syntax))
     else:
         rules.insert(0, "start: call")
     return "\n".join(rules) + "\n"
+
+
+def _answer_rule(syntax: Syntax) -> str:
+    """Plain text that cannot be mistaken for a call: it may not start with the call's first character."""
+    first = (syntax.prefix or "{")[0]
+    return f"answer: /[^{json.dumps(first)[1:-1]}\\s][\\s\\S]*/"
+
+
+def answer_grammar(syntax: Syntax) -> str:
+    """tool_choice "none" with the tools still in the prompt: a text answer, never a call."""
+    return "start: answer\n" + _answer_rule(syntax) + "\n"
 
 
 def json_grammar(schema: Optional[dict] = None, strict: bool = False) -> str:

@@ -5,7 +5,7 @@ import json
 from typing import List
 
 from ..generation import vocab_size
-from ..grammar import check_grammar, json_grammar, lark_grammar
+from ..grammar import answer_grammar, check_grammar, json_grammar, lark_grammar
 from ..toolcalls import FINISH_TEXT, detect
 from .errors import APIError
 from .schema import ChatRequest, CompletionRequest, Message
@@ -90,14 +90,16 @@ def chat_prompt(rt, req: ChatRequest):
     if len({t.name for t in tools}) != len(tools):
         raise APIError(400, "two tools share a name", "tools", "invalid_value")
     messages = chat_messages(req, syntax)
-    shown = tools if choice != "none" else []
+    shown = tools  # tools stay in the prompt under "none" too, so the next turn reuses the same prefix
     if shown or syntax.native:
         text = syntax.render(rt.tokenizer, messages, shown, FINISH_TEXT)
         ids = list(rt.tokenizer.encode(text, add_special_tokens=False))
     else:
         ids = rt.encode(messages)
     grammar = None
-    if shown:
+    if shown and choice == "none":
+        grammar = answer_grammar(syntax)
+    elif shown:
         grammar = lark_grammar(shown, syntax, choice, MAX_STRING)
         why = check_grammar(grammar)
         if why:
