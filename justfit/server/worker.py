@@ -192,7 +192,7 @@ class Worker:
         for s in self.sessions.values():
             if s.persist:
                 s.checkpoint(auto=True)
-        freed = suspend(self.rt)
+        freed = suspend(self.rt.phaseswap)
         self.released = True
         log.info("idle for %.0f s: released %.1f MB; the next request reloads", self.idle_release, freed / 1e6)
 
