@@ -155,7 +155,7 @@ class Worker:
 
     def _generate(self, job: Job):
         """(object whose last_stats describe the turn, chunk iterator) for a job."""
-        opts = {k: v for k, v in job.options.items() if v or k in ("temperature",)}
+        opts = {k: v for k, v in job.options.items() if v is not None}
         if job.grammar:
             from ..generation import vocab_size
             from ..grammar import Constraint
