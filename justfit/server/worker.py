@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..errors import UserError
+from ..errors import MemoryBudgetError, UserError
 from .errors import APIError
 
 log = logging.getLogger("justfit.server")
@@ -144,6 +144,8 @@ class Worker:
             job.emit("end", stats)
         except APIError as e:
             job.emit("error", e)
+        except MemoryBudgetError as e:  # the memory budget is full now: retry later, never an OOM
+            job.emit("error", APIError(503, f"out of memory budget: {e}", code="memory_budget", retry_after=5))
         except UserError as e:  # the engine refused an option or the session: the client's to fix
             job.emit("error", APIError(400, str(e), code="invalid_value"))
         except Exception as e:  # noqa: BLE001  (reported to the client as a 500 envelope)
