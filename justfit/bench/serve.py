@@ -232,9 +232,8 @@ def serve(
             for system in (systems if r % 2 == 0 else systems[::-1]):
                 _log(f"round {r + 1}/{rounds}: {system} at concurrency {level}")
                 rows = one_round(system, folder, convs, turns, max_tokens, level)
-                for row in rows:
-                    _log(f"  {row['workload']:<13} ttft p50 {row['ttft_p50_s']:.3f}s  "
-                         f"tok/s {row['throughput_tok_s'] or 0:.1f}  cached {row['cached_tokens']}")
+                for row in rows:  # each row in full on stderr, so an interrupted run keeps what it measured
+                    _log("  " + json.dumps(row))
                 raw += [{**row, "round": r} for row in rows]
     rows = aggregate(raw)
     out = {"bench": "serve", "model": folder, "turns": turns, "max_tokens": max_tokens, "rounds": rounds,
