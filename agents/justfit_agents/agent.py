@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
 
 from justfit import TurnStats
-from justfit.generation import vocab_size
 from justfit.grammar import Constraint, choice_name, lark_grammar
 from justfit.toolcalls import FINISH_TEXT, FINISH_TOOL, describe, detect
 
@@ -114,7 +113,7 @@ class Agent:
             self.tools["spawn_agent"] = as_tool(self._spawn_tool, "spawn_agent")
         self.prompt_tools: List[Tool] = _prompt_tools or list(self.tools.values())
         self.eos = set(getattr(runtime.tokenizer, "eos_token_ids", None) or [runtime.tokenizer.eos_token_id])
-        self.n_vocab = vocab_size(runtime.model)
+        self.n_vocab = _vocab_size(runtime.model)
         self.state = _state or AgentState(runtime, session)
         self.messages = _messages
         if self.messages is None:
@@ -282,3 +281,11 @@ def _totals(steps: List[Step]) -> dict:
     tot["steps"] = len(steps)
     tot["tool_s"] = sum(s.call.tool_s for s in steps if s.call is not None)
     return tot
+
+
+def _vocab_size(model) -> int:
+    args = getattr(model, "args", None)
+    n = getattr(args, "vocab_size", None)
+    if n:
+        return int(n)
+    return int(model.model.embed_tokens.weight.shape[0])
