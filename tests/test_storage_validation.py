@@ -235,6 +235,6 @@ def test_out_of_range_ids_through_generate_are_user_errors(folder, tmp_path):
     rt = runtime(folder, tmp_path / "home")
     s = rt.session("gen")
     for bad in ([10**9], [-1], [300], [1, 2.5]):
-        with pytest.raises(UserError, match="outside the vocabulary|not an integer"):
+        with pytest.raises(UserError, match="outside the vocabulary|not an integer|prompt must be"):
             s.generate(bad, max_tokens=2)
     assert s.generate([1, 2, 3], max_tokens=2).tokens
