@@ -76,3 +76,20 @@ def run(
     typer.echo(f"[{s['steps']} steps, {result.stopped} | prompt {s['prompt_tokens']} / reused {s['reused_tokens']} / "
                f"prefilled {s['prefilled_tokens']} tok | {s['turn_s']:.1f} s model, {s['tool_s']:.2f} s tools]", err=True)
     typer.echo(result.answer)
+    reason = unfinished_reason(result, max_steps)
+    if reason:
+        typer.echo(f"justfit agent: did not finish: {reason}", err=True)
+        raise typer.Exit(1)
+
+
+def unfinished_reason(result, max_steps: int) -> str:
+    """Why a run is not a finished task ('' when the agent gave its answer): scripts see exit code 1."""
+    last = result.steps[-1].call if result.steps else None
+    return {
+        "answer": "",
+        "max_steps": f"no final answer within {max_steps} steps (raise --max-steps, or try a larger --model)",
+        "length": "the last reply hit the token limit before it was complete",
+        "repeat": (f"the model repeated the same call {last.name if last else ''}(...) instead of answering; "
+                   "the output above is that call's result, not a checked answer"),
+        "stop": "a stop condition ended the run before an answer",
+    }.get(result.stopped, f"stopped: {result.stopped}")

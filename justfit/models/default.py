@@ -4,13 +4,13 @@ the GGUF digest in justfit.json (`source_sha256`)."""
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from ..atomic import atomic_write
 from ..errors import UserError
 
 NAME = "SmolLM2-135M-Instruct"
@@ -77,7 +77,5 @@ def record_source(folder: Path, sha256: str = GGUF_SHA256) -> Path:
     except (OSError, ValueError):
         doc = {}
     doc["source_sha256"] = sha256
-    tmp = info.with_name(f".justfit.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, info)
+    atomic_write(info, json.dumps(doc))
     return Path(folder)

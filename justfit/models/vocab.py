@@ -48,7 +48,3 @@ def check_token_ids(ids: Sequence[int], vocab_size: Optional[int], what: str = "
         out.append(t)
     return out
 
-
-def check_tokens(tokens, size: Optional[int]):
-    """The generation path's name for check_token_ids (same checks, same error)."""
-    check_token_ids(tokens, size)

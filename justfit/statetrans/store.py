@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ..errors import UserError
+from ..atomic import atomic_write, fsync_dir  # noqa: F401  (the one helper; re-exported for the store's callers)
 
 PAGE_FORMAT, PAGE_VERSION = "justfit-kv-page", "1"
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "I32": np.int32,
@@ -39,36 +40,6 @@ class StoreWriteError(UserError):
 def write_error(path, e: OSError) -> StoreWriteError:
     return StoreWriteError(f"cannot write the session store at {path}: {e.strerror or e}; "
                            "the session continues in memory (set JUSTFIT_HOME to a writable disk to persist it)")
-
-
-def fsync_dir(path: Path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes, tmp_dir: Path):
-    """Write `data` to `path` all-or-nothing: temp file in tmp_dir, fsync, rename, fsync the folder."""
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir / f"{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def encode_page(tensors: Dict[str, object], metadata: Dict[str, str]) -> bytes:
