@@ -238,8 +238,6 @@ def test_out_of_range_ids_through_generate_are_user_errors(folder, tmp_path):
             rt.session(f"gen{i}").generate(bad, max_tokens=2)
 
 
-@pytest.mark.xfail(reason="Session._delta appends raw ids before the generation path checks them (lead's fix: "
-                          "check_token_ids(prompt, vocab_size(self.rt.model)) in _delta)", strict=False)
 def test_a_refused_turn_leaves_the_session_usable(folder, tmp_path):
     s = runtime(folder, tmp_path / "home").session("gen")
     with pytest.raises(UserError, match="outside the vocabulary"):
