@@ -272,6 +272,7 @@ def info():
         ("justfit", __version__), ("mlx", version("mlx")), ("mlx-lm", version("mlx-lm")),
         ("blas", active_blas()), ("weights", weights), ("JUSTFIT_HOME", str(home())),
         ("memory budget", Budget(parse_budget(os.environ.get("JUSTFIT_MEMORY_BUDGET"))).describe()),
+        ("tool sandbox", __import__("justfit_agents.sandbox", fromlist=["describe"]).describe()),  # issue 15
     ]
     for k, v in rows:
         typer.echo(f"{k:<17} {v}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Set
 
 from .errors import UserError
-from .models.vocab import check_tokens, vocab_size
+from .models.vocab import check_token_ids, vocab_size
 from .turns import Chunk, TurnStats
 
 PREFILL_STEP = 2048
@@ -310,7 +310,7 @@ def stream_turn(model, tokenizer, tokens: List[int], cache, reused: int, max_tok
         raise UserError("the prompt renders to no tokens")
     if not 0 <= reused < len(tokens):
         raise ValueError("reused tokens must leave at least one token to prefill")
-    check_tokens(tokens, vocab_size(model))
+    check_token_ids(tokens, vocab_size(model))
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     detok = tokenizer.detokenizer

@@ -90,6 +90,18 @@ class Runtime:
 
         return tool_phase(self.phaseswap, self.model, session)
 
+    def register_kv(self, name: str, caches, nbytes: Callable[[], int], release: Callable[[], None],
+                    checkpointed: Callable[[], bool]):
+        """Make a session's KV a PhaseSwap component: a tool phase calls release() (pages already on disk
+        become lazy loaders), phases that run on `caches` lease it, nothing is loaded eagerly."""
+        from .phaseswap.components import Component
+
+        self.phaseswap.add_kv(Component(name, "kv", nbytes, load=lambda: None, unload=release, roles=("kv",),
+                                        checkpointed=checkpointed), caches)
+
+    def unregister_kv(self, name: str):
+        self.phaseswap.remove(name)
+
     def set_drafter(self, name: str):
         """Switch drafting: 'none' or 'prompt-lookup' (a draft model is given at construction)."""
         from .phaseswap.drafting import Gate, PromptLookup

@@ -42,6 +42,8 @@ def run(
     kv_bits: int = typer.Option(4, "--kv-bits", help="KV cache precision: 4, 8 or 16."),
     allow: List[str] = typer.Option([], "--allow", help="Enable the shell tool for this command (repeatable; coding agent)."),
     transcript: bool = typer.Option(False, "--transcript", help="Print the full transcript at the end."),
+    unsafe_no_sandbox: bool = typer.Option(False, "--unsafe-no-sandbox",
+                                           help="Run code tools unconfined where no OS sandbox exists (dangerous)."),
 ):
     """Run a ready agent on a task; steps stream to stderr, the final answer goes to stdout."""
     from pathlib import Path
@@ -59,6 +61,7 @@ def run(
     kw = dict(session=session, max_steps=max_steps, temperature=temp, seed=seed)
     if name == "coding":
         kw["shell_allow"] = allow or None
+        kw["unsafe_no_sandbox"] = unsafe_no_sandbox
     try:
         agent = READY[name](rt, workspace, **kw)
     except SandboxError as e:

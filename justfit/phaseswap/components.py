@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ..atomic import atomic_write
+
 ROLES = ("input-embedding", "layers", "norm", "lm-head", "drafter", "adapter", "kv")
 
 
@@ -177,9 +179,8 @@ def _weight_component(model, source: WeightSource, name: str, kind: str, prefixe
         if file is not None and not file.exists():
             params = dict(tree_flatten(model.parameters()))
             _claim(file.parent)
-            tmp = file.with_suffix(".tmp.safetensors")
-            mx.save_safetensors(str(tmp), {k: params[k] for k in names})
-            os.replace(tmp, file)  # atomic: a torn write never looks like a valid copy
+            # atomic: a torn write never looks like a valid copy
+            atomic_write(file, lambda tmp: mx.save_safetensors(str(tmp), {k: params[k] for k in names}))
         model.update(tree_unflatten([(k, _empty()) for k in names]))
 
     def load():
