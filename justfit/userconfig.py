@@ -36,8 +36,8 @@ def read_config(path: Optional[Path] = None) -> dict:
     path = path or config_path()
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return {}
+    except (FileNotFoundError, NotADirectoryError):
+        return {}  # no file (or no home yet): the command itself reports a bad JUSTFIT_HOME
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
     try:

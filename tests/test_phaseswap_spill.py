@@ -25,12 +25,15 @@ def test_dead_processes_files_are_swept_and_own_files_removed_at_exit(tmp_path):
     folder.mkdir(parents=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)  # that process has exited
-    stale = [folder / f"layers.0-5.{pid}.safetensors", folder / f"embed.{pid}.tmp.safetensors",
-             folder / "embed.safetensors"]  # the last: the old, shared name
-    mine = folder / f"embed.{os.getpid()}.safetensors"
-    for f in [*stale, mine]:
+    me = os.getpid()
+    stale = [folder / f"layers.0-5.{pid}.safetensors", folder / f".embed.{pid}.safetensors.{pid}.ab12.tmp.safetensors",
+             folder / "embed.safetensors"]  # a dead writer's file and temp file, and the old shared name
+    mine = [folder / f"embed.{me}.safetensors", folder / f".norm.{me}.safetensors.{me}.cd34.tmp.safetensors"]
+    for f in [*stale, *mine]:
         f.write_bytes(b"x")
     components._claim(folder)
-    assert not any(f.exists() for f in stale) and mine.exists()
+    assert not any(f.exists() for f in stale) and all(f.exists() for f in mine)
+    mine[1].unlink()  # (a finished write renames its temp file away)
+    mine = mine[0]
     components.discard_spills()
     assert not mine.exists() and not folder.exists()

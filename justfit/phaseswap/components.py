@@ -121,11 +121,13 @@ def _alive(file: Path) -> bool:
     """Whether the process whose pid is in a spill file's name still runs."""
     import os
 
-    stem = file.name.removesuffix(".safetensors").removesuffix(".tmp")
+    parts = file.name.split(".")
+    # <component>.<pid>.safetensors, or atomic_write's temp .<component>.<pid>.safetensors.<pid>.<hex>.tmp.safetensors
+    field = -4 if file.name.startswith(".") and file.name.endswith(".tmp.safetensors") else -2
     try:
-        pid = int(stem.rsplit(".", 1)[-1])
+        pid = int(parts[field])
         os.kill(pid, 0)
-    except (ValueError, ProcessLookupError):
+    except (ValueError, IndexError, ProcessLookupError):
         return False
     except PermissionError:
         return True  # another user's process
