@@ -86,8 +86,3 @@ def use_fast_blas() -> None:
             "MLX was imported before justfit and uses its slow reference BLAS (6-10x slower on CPU): "
             "`import justfit` before `mlx`, or run with LD_PRELOAD=" + openblas_path(),
             RuntimeWarning, stacklevel=3)
-
-
-def maybe_reexec(argv, module: str = "justfit") -> None:
-    """Kept for callers written before in-process loading: `import justfit` loads OpenBLAS now."""
-    return None
