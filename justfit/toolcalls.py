@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional
 
+from .models.chat import chat_text
+
 JUSTFIT_TOOL_PROMPT = """# Tools
 You can call these tools; each line is one tool's JSON schema:
 {tools}
@@ -87,12 +89,7 @@ class Syntax:
             else:
                 msgs.insert(0, {"role": "system", "content": section})
         schemas = [t.schema() for t in tools] if self.native and tools else None
-        if not getattr(tokenizer, "chat_template", None):
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs)
-            return text + ("assistant: " if generation_prompt else "")
-        kwargs = {"tools": schemas} if schemas else {}
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=generation_prompt,
-                                             tokenize=False, **kwargs)
+        return chat_text(tokenizer, msgs, generation_prompt, tools=schemas)
 
 
 SYNTAXES = {

@@ -20,7 +20,7 @@ class Server:
     """What the routes share: the runtime, the worker, the metrics and the served model's names."""
 
     def __init__(self, rt, persist: bool = False, max_queue: int = 64, idle_release: Optional[float] = None):
-        from ..generation import vocab_size
+        from ..models.vocab import vocab_size
 
         self.rt, self.metrics, self.started = rt, Metrics(), time.time()
         self.worker = Worker(rt, self.metrics, max_queue, idle_release, persist)

@@ -4,7 +4,7 @@ grammar constraint (tools, tool_choice, response_format), with a 400 for anythin
 import json
 from typing import List
 
-from ..generation import vocab_size
+from ..models.vocab import vocab_size
 from ..grammar import answer_grammar, check_grammar, json_grammar, lark_grammar
 from ..toolcalls import FINISH_TEXT, detect
 from .errors import APIError

@@ -102,7 +102,7 @@ class Worker:
 
     # -- the thread -----------------------------------------------------------------------------
     def _loop(self):
-        from ..generation import vocab_size
+        from ..models.vocab import vocab_size
         from ..grammar import ll_tokenizer
 
         ll_tokenizer(self.rt.tokenizer, vocab_size(self.rt.model))  # built once here, not in the first tool request
@@ -159,7 +159,7 @@ class Worker:
         """(object whose last_stats describe the turn, chunk iterator) for a job."""
         opts = {k: v for k, v in job.options.items() if v is not None}
         if job.grammar:
-            from ..generation import vocab_size
+            from ..models.vocab import vocab_size
             from ..grammar import Constraint
 
             opts["constraint"] = Constraint(self.rt.tokenizer, vocab_size(self.rt.model), job.grammar)
