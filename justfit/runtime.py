@@ -47,6 +47,7 @@ class Runtime:
 
     def __init__(self, model="default", kv: Optional[KVConfig] = None, memory_budget=None, home=None,
                  avoid_regimes: bool = False, draft_model=None):
+        from .distributed import shard_model
         from .models import load
         from .phaseswap.attach import attach
 
@@ -56,6 +57,7 @@ class Runtime:
         self.avoid_regimes = avoid_regimes
         self.model_spec = model
         self.model, self.tokenizer = load(model, home=self.home)
+        self.sharding = shard_model(self.model)  # distributed hook (issue 17): cuts the model per mlx.launch rank; no-op in one process
         self.last_stats: dict = {}
         attach(self, draft_model)  # PhaseSwap: self.phaseswap (residency manager), self.drafter
 

@@ -1,0 +1,87 @@
+"""One rank of a distributed test run (started by mlx.launch, or alone as the 1-process reference).
+
+  distributed_worker.py raw BITS KV_HEADS N             tiny random llama + justfit.make_cache, greedy
+  distributed_worker.py runtime MODEL HOME BITS N PROMPT   justfit.Runtime(...).generate
+  distributed_worker.py session MODEL HOME BITS N PROMPT NAME   a distributed session turn + checkpoint
+Rank 0 prints one JSON line: tokens, and every rank's sharding and KV bytes.
+"""
+
+import json
+import sys
+
+
+def tiny_llama(kv_heads: int, layers: int = 4):
+    """Random-weight llama, identical on every rank (seeded): 4 query heads, `kv_heads` KV heads."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
+                           vocab_size=128, head_dim=16, tie_word_embeddings=True)
+    model = llama.Model(args)
+    # std 0.2 matrices: mlx-lm's default init makes a tiny model repeat one token, a test that cannot fail
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.2 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def raw(bits: str, kv_heads: str, n: str):
+    """Greedy tokens of the tiny llama with KVExec caches, chunked prefill of a 70-token prompt."""
+    import mlx.core as mx
+
+    import justfit
+    from justfit.distributed import shard_model
+
+    model = tiny_llama(int(kv_heads))
+    sharding = shard_model(model)
+    caches = justfit.make_cache(model, justfit.KVConfig(bits=int(bits), page_size=32, quantized_kv_start=0))
+    prompt = [(7 * i + 3) % 128 for i in range(70)]
+    x = mx.array(prompt)[None]
+    for i in range(0, len(prompt), 13):
+        logits = model(x[:, i:i + 13], cache=caches)
+        mx.eval([c.state for c in caches])  # the way mlx-lm evaluates a prefill chunk
+    out = []
+    for _ in range(int(n)):  # every rank computes the same logits, so each follows the same tokens
+        t = int(mx.argmax(logits[0, -1]))
+        out.append(t)
+        logits = model(mx.array([[t]]), cache=caches)
+    return sharding, sum(c.nbytes for c in caches), out, {}
+
+
+def runtime(folder, home, bits, n, prompt, session=None):
+    import justfit
+
+    rt = justfit.Runtime(model=folder, kv=justfit.KVConfig(bits=int(bits), page_size=32, quantized_kv_start=0),
+                         home=home)
+    extra = {}
+    if session:
+        from justfit.distributed.sessions import open_session
+
+        s = open_session(rt, session)
+        g = s.generate(prompt, max_tokens=int(n))
+        s.checkpoint()
+        stats = g.stats if isinstance(g.stats, dict) else g.stats.as_dict()
+        extra = {"reused_tokens": stats.get("reused_tokens"), "history": len(s.tokens)}
+    else:
+        g = rt.generate(prompt, max_tokens=int(n))
+    return rt.sharding, rt.prefix_index().pool.nbytes, g.tokens, extra
+
+
+def main(argv):
+    from justfit.distributed import gather_strings, world
+
+    mode, rest = argv[0], argv[1:]
+    if mode == "raw":
+        sharding, kv_bytes, tokens, extra = raw(*rest)
+    else:
+        sharding, kv_bytes, tokens, extra = runtime(*rest[:5], session=rest[5] if mode == "session" else None)
+    mine = json.dumps({"rank": sharding.rank, "sharding": sharding.as_dict(), "kv_bytes": kv_bytes, "tokens": tokens})
+    ranks = [json.loads(r) for r in gather_strings(mine)]
+    if world().is_front:
+        print(json.dumps({"tokens": tokens, "ranks": ranks, **extra}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
