@@ -163,8 +163,10 @@ def info():
 def main():
     """Console entry point: fast BLAS re-exec, then the app; internal errors exit 1 in one line."""
     from .blas import maybe_reexec
+    from .distributed import quiet_followers  # distributed hook (issue 17)
 
     maybe_reexec(sys.argv)
+    quiet_followers()  # distributed hook (issue 17): under mlx.launch only rank 0 prints
     try:
         rc = app(standalone_mode=False, prog_name="justfit")
     except KeyboardInterrupt:

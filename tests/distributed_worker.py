@@ -1,6 +1,6 @@
 """One rank of a distributed test run (started by mlx.launch, or alone as the 1-process reference).
 
-  distributed_worker.py raw BITS KV_HEADS N             tiny random llama + justfit.make_cache, greedy
+  distributed_worker.py raw KV_HEADS N KINDS           tiny random llama + justfit.make_cache, greedy
   distributed_worker.py runtime MODEL HOME BITS N PROMPT   justfit.Runtime(...).generate
   distributed_worker.py session MODEL HOME BITS N PROMPT NAME   a distributed session turn + checkpoint
 Rank 0 prints one JSON line: tokens, and every rank's sharding and KV bytes.
@@ -27,27 +27,33 @@ def tiny_llama(kv_heads: int, layers: int = 4):
     return model
 
 
-def raw(bits: str, kv_heads: str, n: str):
-    """Greedy tokens of the tiny llama with KVExec caches, chunked prefill of a 70-token prompt."""
+def raw(kv_heads: str, n: str, kinds: str):
+    """Greedy tokens of the tiny llama with KVExec caches (chunked prefill of a 70-token prompt) for each
+    sharding kind in `kinds` (comma list) and KV bits 16 and 4: {"tensor/16": [...], ...}."""
     import mlx.core as mx
 
     import justfit
     from justfit.distributed import shard_model
 
-    model = tiny_llama(int(kv_heads))
-    sharding = shard_model(model)
-    caches = justfit.make_cache(model, justfit.KVConfig(bits=int(bits), page_size=32, quantized_kv_start=0))
-    prompt = [(7 * i + 3) % 128 for i in range(70)]
-    x = mx.array(prompt)[None]
-    for i in range(0, len(prompt), 13):
-        logits = model(x[:, i:i + 13], cache=caches)
-        mx.eval([c.state for c in caches])  # the way mlx-lm evaluates a prefill chunk
-    out = []
-    for _ in range(int(n)):  # every rank computes the same logits, so each follows the same tokens
-        t = int(mx.argmax(logits[0, -1]))
-        out.append(t)
-        logits = model(mx.array([[t]]), cache=caches)
-    return sharding, sum(c.nbytes for c in caches), out, {}
+    out, shardings, kv_bytes = {}, {}, {}
+    for kind in kinds.split(","):
+        for bits in (16, 4):
+            model = tiny_llama(int(kv_heads))
+            sharding = shard_model(model, kind=kind)
+            caches = justfit.make_cache(model, justfit.KVConfig(bits=bits, page_size=32, quantized_kv_start=0))
+            prompt = [(7 * i + 3) % 128 for i in range(70 if bits == 16 else 20)]  # 4-bit: a short prompt
+            x = mx.array(prompt)[None]
+            for i in range(0, len(prompt), 13):
+                logits = model(x[:, i:i + 13], cache=caches)
+                mx.eval([c.state for c in caches])  # the way mlx-lm evaluates a prefill chunk
+            tokens = []
+            for _ in range(int(n)):  # every rank computes the same logits, so each follows the same tokens
+                t = int(mx.argmax(logits[0, -1]))
+                tokens.append(t)
+                logits = model(mx.array([[t]]), cache=caches)
+            key = f"{kind}/{bits}"
+            out[key], shardings[key], kv_bytes[key] = tokens, sharding.as_dict(), sum(c.nbytes for c in caches)
+    return shardings, kv_bytes, out, {}
 
 
 def runtime(folder, home, bits, n, prompt, session=None):
@@ -77,7 +83,8 @@ def main(argv):
         sharding, kv_bytes, tokens, extra = raw(*rest)
     else:
         sharding, kv_bytes, tokens, extra = runtime(*rest[:5], session=rest[5] if mode == "session" else None)
-    mine = json.dumps({"rank": sharding.rank, "sharding": sharding.as_dict(), "kv_bytes": kv_bytes, "tokens": tokens})
+    sharding = sharding if isinstance(sharding, dict) else sharding.as_dict()
+    mine = json.dumps({"rank": world().rank, "sharding": sharding, "kv_bytes": kv_bytes, "tokens": tokens})
     ranks = [json.loads(r) for r in gather_strings(mine)]
     if world().is_front:
         print(json.dumps({"tokens": tokens, "ranks": ranks, **extra}), flush=True)

@@ -6,7 +6,7 @@ rank 0's decisions reach the other ranks through collectives (world.py). Docs: d
 """
 
 from .shard import Sharding, choose, shard_model
-from .world import World, agree, barrier, broadcast_ints, broadcast_seed, gather_strings, launched, world
+from .world import World, agree, barrier, broadcast_ints, broadcast_seed, gather_strings, launched, quiet_followers, world
 
 __all__ = ["Sharding", "World", "agree", "barrier", "broadcast_ints", "broadcast_seed", "choose", "gather_strings",
-           "launched", "shard_model", "world"]
+           "launched", "quiet_followers", "shard_model", "world"]

@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 from ..errors import UserError
-from . import pipeline as pipe
 from .world import World, broadcast_seed, world
 
 CHOICES = ("auto", "tensor", "pipeline")
@@ -71,6 +70,8 @@ def choose(model, size: int, forced: str = "auto") -> str:
         raise UserError(f"JUSTFIT_SHARDING must be one of {', '.join(CHOICES)}, not {forced!r}")
     if size == 1:
         return "single"
+    from . import pipeline as pipe
+
     why_not = {"tensor": can_tensor(model, size), "pipeline": pipe.can_pipeline(model, size)}
     if forced != "auto":
         if why_not[forced]:
@@ -101,7 +102,9 @@ def shard_model(model, group=None, kind: Optional[str] = None) -> Sharding:
     if kind == "tensor":
         model.shard(w.group)
     elif kind == "pipeline":
-        layers = list(pipe.pipeline(model, w.group))
+        from .pipeline import pipeline
+
+        layers = list(pipeline(model, w.group))
     if kind != "single":
         mx.eval(model.parameters())
         broadcast_seed(w)

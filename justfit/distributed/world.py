@@ -99,3 +99,11 @@ def barrier(w: Optional[World] = None) -> None:
     w = w or world()
     if w.size > 1:
         mx.eval(mx.distributed.all_sum(mx.array([1]), group=w.group))
+
+
+def quiet_followers() -> None:
+    """Under a launcher, ranks other than 0 write nothing to stdout: the front prints each reply once."""
+    import sys
+
+    if launched() and not world().is_front:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
