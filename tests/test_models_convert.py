@@ -92,4 +92,4 @@ def test_spm_tokenizer_gguf_loads_and_generates(tmp_path):
     out = rt.generate("the quick brown fox", max_tokens=4)
     ref = [t for t, _ in generate_step(mx.array(ids), rt.model, max_tokens=4)]
     assert out.tokens == ref[: len(out.tokens)]
-    assert len(out.tokens) == 4 or out.stats["finish_reason"] == "stop"
+    assert len(out.tokens) == 4 or out.stats.finish_reason == "stop"
