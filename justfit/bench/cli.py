@@ -7,9 +7,11 @@ app = typer.Typer(help="Benchmarks against mlx-lm in the same process. --json pr
 from .agent import agent  # noqa: E402
 from .kv import kv  # noqa: E402
 from .phases import phases  # noqa: E402
+from .scale import scale  # noqa: E402
 from .sessions import sessions  # noqa: E402
 
 app.command("kv")(kv)
 app.command("sessions")(sessions)
 app.command("phases")(phases)
 app.command("agent")(agent)
+app.command("scale")(scale)
