@@ -3,6 +3,7 @@
   distributed_worker.py raw KV_HEADS N KINDS           tiny random llama + justfit.make_cache, greedy
   distributed_worker.py runtime MODEL HOME BITS N PROMPT   justfit.Runtime(...).generate
   distributed_worker.py session MODEL HOME BITS N PROMPT NAME   a distributed session turn + checkpoint
+  distributed_worker.py follow MODEL HOME BITS N PROMPT     rank 0 leads two requests, the others follow
 Rank 0 prints one JSON line: tokens, and every rank's sharding and KV bytes.
 """
 
@@ -58,11 +59,25 @@ def raw(kv_heads: str, n: str, kinds: str):
 
 def runtime(folder, home, bits, n, prompt, session=None):
     import justfit
+    from justfit.distributed import world
 
     # drafter "none": the prompt-lookup gate decides from wall-clock timings, which differ per rank
     rt = justfit.Runtime(model=folder, kv=justfit.KVConfig(bits=int(bits), page_size=32, quantized_kv_start=0),
                          home=home, drafter="none")
     extra = {}
+    if session == "-follow":  # rank 0 decides two requests, the follower receives them (the server's way)
+        from justfit.distributed.follow import follow, lead, lead_stop
+
+        if not world().is_front:
+            follow(rt)
+            return rt.sharding, rt.index.pool.nbytes, [], {}
+        outs = []
+        for text in (prompt, prompt + " again"):
+            tokens = rt.encode(text)
+            lead(tokens, int(n))
+            outs.append(rt.generate(tokens, max_tokens=int(n)).tokens)
+        lead_stop()
+        return rt.sharding, rt.index.pool.nbytes, outs, {}
     if session:
         from justfit.distributed.sessions import open_session
 
@@ -82,7 +97,7 @@ def main(argv):
     if mode == "raw":
         sharding, kv_bytes, tokens, extra = raw(*rest)
     else:
-        sharding, kv_bytes, tokens, extra = runtime(*rest[:5], session=rest[5] if mode == "session" else None)
+        sharding, kv_bytes, tokens, extra = runtime(*rest[:5], session={"session": rest[5:6] and rest[5], "follow": "-follow"}.get(mode))
     sharding = sharding if isinstance(sharding, dict) else sharding.as_dict()
     mine = json.dumps({"rank": world().rank, "sharding": sharding, "kv_bytes": kv_bytes, "tokens": tokens})
     ranks = [json.loads(r) for r in gather_strings(mine)]

@@ -68,3 +68,15 @@ def test_dead_rank_stops_the_run_without_hanging(tiny_folder, tmp_path):
             proc.communicate()
     assert proc.returncode != 0 or "rank 1" in err
     assert "rank 1" in err, err[-2000:]
+
+
+def test_followers_run_what_rank_0_leads(tiny_folder, tmp_path):
+    """The server's way: only rank 0 sees requests; it broadcasts each, the follower runs the same turn."""
+    _skip_without_launch()
+    from distributed_launch import WORKER, last_json
+
+    args = [WORKER, "follow", tiny_folder, tmp_path / "home", 16, 6, "tell me a story"]
+    one = last_json(launch(1, args, timeout=120))
+    two = last_json(launch(2, args, timeout=240))
+    assert len(one["tokens"]) == 2 and two["tokens"] == one["tokens"]
+    assert [r["sharding"]["kind"] for r in two["ranks"]] == ["tensor", "tensor"]
