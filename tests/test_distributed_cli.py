@@ -4,6 +4,7 @@ nothing; a rank killed mid-reply stops the whole run (no hang) and the launch sa
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -29,6 +30,7 @@ def _chat(folder, n_tokens):
             "--kv-bits", "16"]
 
 
+@pytest.mark.slow
 def test_chat_two_ranks_prints_once_like_one_process(tiny_folder, tmp_path):
     _skip_without_launch()
     one = launch(1, _chat(tiny_folder, 8), timeout=120, JUSTFIT_HOME=tmp_path / "h1")
@@ -54,22 +56,28 @@ def test_dead_rank_stops_the_run_without_hanging(tiny_folder, tmp_path):
     cmd = [launcher(), "-n", "2", "--backend", "ring", "-p", str(free_port()), "--python", sys.executable, "--",
            *_chat(tiny_folder, 100000)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env(JUSTFIT_HOME=tmp_path / "h"))
+                            env=env(JUSTFIT_HOME=tmp_path / "h", PYTHONUNBUFFERED=1))
+    printed = []
+    threading.Thread(target=lambda: printed.append(proc.stdout.read(1)), daemon=True).start()
     try:
         follower = _rank_process(psutil.Process(proc.pid), "1", time.time() + 60)
         assert follower is not None, "rank 1 never started"
-        time.sleep(8)  # model loaded, reply under way (100000 tokens: it would run for hours)
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        deadline = time.time() + 300
+        while not printed and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)  # wait for the first streamed text: the reply is under way (100000 tokens: hours)
+        assert printed and proc.poll() is None, f"no reply started: {proc.poll()}"
         follower.send_signal(signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)  # a hang fails here
+        start = time.time()
+        _, err = proc.communicate(timeout=90)  # a hang fails here
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode != 0 or "rank 1" in err
+    assert time.time() - start < 90
     assert "rank 1" in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_followers_run_what_rank_0_leads(tiny_folder, tmp_path):
     """The server's way: only rank 0 sees requests; it broadcasts each, the follower runs the same turn."""
     _skip_without_launch()

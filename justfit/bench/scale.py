@@ -33,12 +33,16 @@ NOTE = ("One 2-core machine: both ranks share the same cores and memory bandwidt
 
 
 # -- the ranks (inside mlx.launch) ---------------------------------------------------------------------
-def kv_per_rank(rt, bits_cfg) -> int:
+def kv_per_rank(rt) -> int:
     """KV bytes this rank holds for POSITIONS cached positions (pages sealed in the runtime's format)."""
     import mlx.core as mx
 
-    caches = rt.make_cache()
-    ids = mx.array([[(17 * i + 5) % 1000 + 10 for i in range(POSITIONS)]])
+    from ..kvexec import make_cache
+
+    rt.ensure_resident()
+    caches = make_cache(rt.model, rt.kv)  # its own pool: the runtime's prefix index stays as it was
+    vocab = rt.model.model.embed_tokens.weight.shape[0]
+    ids = mx.array([[(17 * i + 5) % vocab for i in range(POSITIONS)]])
     for i in range(0, POSITIONS, 128):
         rt.model(ids[:, i:i + 128], cache=caches)
         mx.eval([c.state for c in caches])
@@ -87,7 +91,7 @@ def worker(model: str, kv_bits: int):
 
     quiet_followers()
     rt = justfit.Runtime(model=model, kv=justfit.KVConfig(bits=kv_bits), drafter="none")
-    kv = [int(x) for x in gather_strings(str(kv_per_rank(rt, kv_bits)))]
+    kv = [int(x) for x in gather_strings(str(kv_per_rank(rt)))]
     coll = collective_s_per_token(rt)
     print("SCALE " + json.dumps({"ready": True, "sharding": rt.sharding.kind, "kv_bytes_per_rank": kv,
                                  "collective_s_per_token": coll}), flush=True)
@@ -140,10 +144,12 @@ class Ranks:
                 self.proc.wait()
 
 
-def mlx_lm_round(model, tokenizer, i: int, tokens: int) -> float:
+def mlx_lm_round(rt, i: int, tokens: int) -> float:
     """mlx-lm's own loop (KVCache in the compute dtype) on the whole model in this process."""
     from mlx_lm import stream_generate
 
+    rt.ensure_resident()
+    model, tokenizer = rt.model, rt.tokenizer
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                                            add_generation_prompt=True)
     last = deque(stream_generate(model, tokenizer, prompt, max_tokens=tokens), maxlen=1)[0]
@@ -181,9 +187,9 @@ def scale(
     rt = justfit.Runtime(model=model, kv=justfit.KVConfig(bits=kv_bits), drafter="none")
     group = Ranks(ranks, model, kv_bits, timeout)
     try:
-        one_kv = kv_per_rank(rt, kv_bits)
+        one_kv = kv_per_rank(rt)
         runs = {"mlx-lm": [], "justfit-1": [], "justfit-n": []}
-        systems = {"mlx-lm": lambda i: mlx_lm_round(rt.model, rt.tokenizer, i, tokens),
+        systems = {"mlx-lm": lambda i: mlx_lm_round(rt, i, tokens),
                    "justfit-1": lambda i: rt.generate(PROMPTS[i % len(PROMPTS)], max_tokens=tokens).stats.decode_tok_s,
                    "justfit-n": lambda i: group.round(i, tokens)["decode_tok_s"]}
         for i in range(rounds + 1):  # round 0 warms up every system and is not counted
