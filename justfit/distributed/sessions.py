@@ -3,7 +3,7 @@
 Rank r of N keeps a plain StateTrans session named `<name>.<tag>` (tag e.g. `tp2r1`, see shard.py) over
 its own shard's pages (its fingerprint is the shard's, so the store keeps them apart). After each
 checkpoint the ranks gather their page hashes with a collective and rank 0 writes
-`$JUSTFIT_HOME/sessions/world/<name>.json` (WORLD.md): world size, sharding, every rank's page hashes.
+`$JUSTFIT_HOME/sessions/world/<name>.json` (WORLD.md, next to this file): world size, sharding, every rank's page hashes.
 Opening a session checks that manifest first and refuses another world size or sharding in one line.
 """
 
