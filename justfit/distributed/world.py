@@ -17,7 +17,7 @@ LAUNCH_ENV = ("MLX_HOSTFILE", "MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 class World:
     """This process's place in the distributed group: rank 0 is the front (CLI / HTTP), others follow."""
 
-    group: object  # mx.distributed.Group
+    group: object  # mx.distributed.Group; None in a single process
     rank: int
     size: int
 
@@ -30,7 +30,11 @@ _WORLD: Optional[World] = None
 
 
 def launched() -> bool:
-    """True when a launcher (mlx.launch, mpirun) started this process as one of several ranks."""
+    """True when a launcher (mlx.launch, mpirun) started this process as one of several ranks
+    (`mlx.launch -n 1` writes an empty ring hostfile: one rank, nothing to join)."""
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if hostfile is not None:
+        return bool(hostfile) and os.path.isfile(hostfile) and os.path.getsize(hostfile) > 2
     return any(k in os.environ for k in LAUNCH_ENV)
 
 
@@ -40,8 +44,11 @@ def world() -> World:
     if _WORLD is None:
         import mlx.core as mx
 
+        if not launched():  # one process: no group at all (MLX would still parse an empty hostfile)
+            _WORLD = World(None, 0, 1)
+            return _WORLD
         backend = os.environ.get("JUSTFIT_DISTRIBUTED_BACKEND", "ring" if "MLX_HOSTFILE" in os.environ else "any")
-        group = mx.distributed.init(backend=backend) if launched() else mx.distributed.init()
+        group = mx.distributed.init(backend=backend)
         _WORLD = World(group, group.rank(), group.size())
     return _WORLD
 
