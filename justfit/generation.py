@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Set
 
 from .errors import UserError
+from .models.vocab import check_token_ids, vocab_size
 from .turns import Chunk, TurnStats
 
 PREFILL_STEP = 2048
@@ -74,19 +75,6 @@ class Sampling:
 def _check(ok: bool, message: str):
     if not ok:
         raise UserError(message)
-
-
-def check_tokens(tokens: List[int], vocab_size: int):
-    """Token ids must be integers in [0, vocab): an out-of-range id would read outside the embedding."""
-    bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise UserError(f"token id {bad!r} is outside the vocabulary (0..{vocab_size - 1})")
-
-
-def vocab_size(model) -> int:
-    args = getattr(model, "args", None)
-    n = getattr(args, "vocab_size", None)
-    return int(n) if n else int(model.model.embed_tokens.weight.shape[0])
 
 
 def _body(model):
@@ -322,7 +310,7 @@ def stream_turn(model, tokenizer, tokens: List[int], cache, reused: int, max_tok
         raise UserError("the prompt renders to no tokens")
     if not 0 <= reused < len(tokens):
         raise ValueError("reused tokens must leave at least one token to prefill")
-    check_tokens(tokens, vocab_size(model))
+    check_token_ids(tokens, vocab_size(model))
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     detok = tokenizer.detokenizer

@@ -72,10 +72,13 @@ class Runtime:
         """Bring released weights back now: for callers that use `rt.model` outside a turn."""
         self.phaseswap.enter("resident")
 
-    def session(self, name: str, **options):
-        """Create or resume the named StateTrans session (persisted under JUSTFIT_HOME/sessions)."""
+    def session(self, name: Optional[str], **options):
+        """Create or resume the named StateTrans session (persisted under JUSTFIT_HOME/sessions);
+        name=None gives an in-memory session (shares pages the same way, writes nothing)."""
         from .statetrans.session import Session
 
+        if name is None:
+            return Session(self, None, persist=False, **options)
         return Session.open(self, name, **options)
 
     # -- residency (PhaseSwap) ----------------------------------------------------------------
@@ -88,6 +91,18 @@ class Runtime:
         from .phaseswap.toolphase import tool_phase
 
         return tool_phase(self.phaseswap, self.model, session)
+
+    def register_kv(self, name: str, caches, nbytes: Callable[[], int], release: Callable[[], None],
+                    checkpointed: Callable[[], bool]):
+        """Make a session's KV a PhaseSwap component: a tool phase calls release() (pages already on disk
+        become lazy loaders), phases that run on `caches` lease it, nothing is loaded eagerly."""
+        from .phaseswap.components import Component
+
+        self.phaseswap.add_kv(Component(name, "kv", nbytes, load=lambda: None, unload=release, roles=("kv",),
+                                        checkpointed=checkpointed), caches)
+
+    def unregister_kv(self, name: str):
+        self.phaseswap.remove(name)
 
     def set_drafter(self, name: str):
         """Switch drafting: 'none' or 'prompt-lookup' (a draft model is given at construction)."""

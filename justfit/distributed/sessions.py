@@ -49,7 +49,7 @@ def read_world_manifest(home, name: str) -> Optional[dict]:
 
 def write_world_manifest(home, name: str, sharding, ranks: list) -> Path:
     """Atomically write the world manifest (rank 0 only)."""
-    from ..statetrans.store import atomic_write
+    from ..atomic import atomic_write
 
     doc = {"format": WORLD_FORMAT, "version": WORLD_VERSION, "name": name, "world_size": sharding.world_size,
            "sharding": sharding.kind, "updated": time.time(), "ranks": ranks}
@@ -57,8 +57,7 @@ def write_world_manifest(home, name: str, sharding, ranks: list) -> Path:
     doc["checksum"] = hashlib.sha256(body.encode()).hexdigest()
     path = world_manifest_path(home, name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    (path.parent / ".tmp").mkdir(exist_ok=True)
-    atomic_write(path, json.dumps(doc, sort_keys=True).encode(), path.parent / ".tmp")
+    atomic_write(path, json.dumps(doc, sort_keys=True).encode())
     return path
 
 

@@ -212,6 +212,12 @@ class PrefixIndex:
                 if total <= cap:
                     return
 
+    def sequence_refs(self) -> int:
+        """Page references held by sequences (sessions, requests), not by this index: 0 when idle."""
+        own = len([h for h, pid in self.mem.items() if pid in self.pool.refs])
+        own += sum(len(entries) for entries in self.open.values())
+        return sum(self.pool.refs.values()) - own
+
     def live_pages(self) -> set:
         """Block hashes referenced by any session manifest (disk eviction keeps them)."""
         return {p["hash"] for m in list_manifests(self.home) for p in m.pages}

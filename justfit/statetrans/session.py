@@ -16,9 +16,13 @@ import time
 from typing import Iterator, List, Optional
 
 from ..errors import UserError
+from ..kvexec import Page
 from ..models.chat import chat_text, encode_text
+from ..models.vocab import check_token_ids, vocab_size
 from ..turns import Generation, TurnStats
 from .checkpoint import commit, open_page_tensors, page_loaders
+from .lock import acquire as acquire_lock  # issue 15
+from .lock import release as release_lock  # issue 15
 from .manifest import Manifest, check_name, manifest_path, read_manifest, warn
 from .store import CorruptPage, StoreWriteError
 
@@ -48,14 +52,26 @@ class Session:
         self.writable = True  # False after the store failed once: auto checkpoints stay in memory
         self.last_stats = TurnStats()
         self.restore_s = 0.0
+        self.kv_name = f"kv:session:{self.name}" if persist else None
+        if self.kv_name:
+            rt.register_kv(self.kv_name, self.cache, self.resident_bytes, self.release_pages, lambda: not self.dirty)
 
     # -- open / restore -------------------------------------------------------------------------
     @classmethod
     def open(cls, rt, name: str, checkpoint_every: Optional[int] = CHECKPOINT_EVERY) -> "Session":
         """Resume the named session from its manifest, or start it empty."""
         check_name(name)
+        acquire_lock(rt.home, name)  # issue 15: one writer process per session (statetrans/lock.py)
+        try:
+            return cls._open(rt, name, checkpoint_every)
+        except BaseException:
+            release_lock(rt.home, name)
+            raise
+
+    @classmethod
+    def _open(cls, rt, name: str, checkpoint_every: Optional[int]) -> "Session":
         start = time.perf_counter()
-        m = read_manifest(rt.home, name)
+        m = read_manifest(rt.home, name, vocab_size(rt.model))  # issue 15: S.prev.json fallback, ids checked
         if m is None:
             return cls(rt, name, checkpoint_every=checkpoint_every)
         index = rt.index
@@ -88,6 +104,32 @@ class Session:
             warn(f"session {self.name!r}: the open page is unusable ({e}); recomputing {m} tokens")
             return
         self.seq.append_restored(kinds, loaders, n_tokens=m)
+
+    def resident_bytes(self) -> int:
+        """Bytes of this session's pages held in memory now (lazily restored pages count once loaded)."""
+        pool, mine = self.seq.pool, set(self.seq.table)
+        return sum(p.nbytes for layer in pool.records for pid, p in layer.items() if pid in mine)
+
+    def release_pages(self) -> int:
+        """Swap this session's pages that are safe in the store for lazy loaders, freeing their memory
+        (PhaseSwap's tool phase calls this after a checkpoint); they reload on first use. Bytes freed."""
+        before, P = self.resident_bytes(), self.index.page_size
+        hashes = self.index.hashes(self.tokens[:self.kv_tokens])
+        swaps = [(pid, hashes[i], None) for i, pid in enumerate(self.seq.table[:len(hashes)])]
+        op = self.index.open_page(self.seq, self.tokens)
+        if op is not None:
+            swaps.append((self.seq.table[self.kv_tokens // P], op[0], P))
+        for pid, h, pad in swaps:
+            if not self.index.store.has(h):
+                continue
+            try:
+                kinds, loaders = page_loaders(self.index.store.open(h, self.index.checksums.get(h)),
+                                              self.index.pool.n_layers, pad_to=pad)
+            except (CorruptPage, ValueError, KeyError, OSError):
+                continue  # keep it in memory
+            for layer, (kind, load) in enumerate(zip(kinds, loaders)):
+                self.index.pool.put(layer, pid, Page(kind, loader=load))
+        return before - self.resident_bytes()
 
     @property
     def kv_tokens(self) -> int:
@@ -207,6 +249,20 @@ class Session:
         mx.eval([c.state for c in self.cache])
 
     # -- history edits --------------------------------------------------------------------------
+    def append(self, tokens: List[int]):
+        """Append raw token ids to the history without generating (their K/V come with the next turn or
+        prefill())."""
+        self._check_open()
+        check_token_ids(list(tokens), vocab_size(self.rt.model))
+        self.tokens += list(tokens)
+        self.dirty = True
+
+    def set_messages(self, messages: List[dict]):
+        """Replace the recorded chat messages (a front that renders its own prompts, like an agent loop,
+        keeps them here so a resumed session can show and continue them)."""
+        self.messages = [dict(m, end=min(m.get("end", len(self.tokens)), len(self.tokens))) for m in messages]
+        self.dirty = True
+
     def rewind(self, n_tokens: int):
         """Drop the last n tokens of the history (and their K/V; shared pages are copied on write)."""
         self._check_open()
@@ -219,16 +275,18 @@ class Session:
 
     def fork(self, child: Optional[str] = None) -> "Session":
         """A new session sharing every page of this one without copying (copy-on-write at the partial
-        last page); a persisted child is committed at once (no page bytes: they are the parent's)."""
+        last page); a named child of a persisted session is committed at once (no page bytes: they are
+        the parent's), child=None gives an in-memory one."""
         from ..kvexec import fork_caches
 
         self._check_open()
-        if self.persist:
+        persist = self.persist and child is not None
+        if persist:
             check_name(child)
             if child == self.name or manifest_path(self.rt.home, child).exists():
                 raise UserError(f"session {child!r} already exists; fork into a new name")
         s = Session(self.rt, child, self.tokens, self.messages, cache=fork_caches(self.cache),
-                    parent=self.name, checkpoint_every=self.checkpoint_every, persist=self.persist)
+                    parent=self.name, checkpoint_every=self.checkpoint_every, persist=persist)
         s.checkpoint(auto=True)
         return s
 
@@ -290,7 +348,10 @@ class Session:
         if self.dirty:
             self.checkpoint(auto=True)
         self.seq.release()
+        if self.kv_name:
+            self.rt.unregister_kv(self.kv_name)
         self.closed = True
+        release_lock(self.rt.home, self.name)  # issue 15
 
     def _check_open(self):
         if self.closed:
