@@ -9,11 +9,14 @@ seconds per decoded token spent in the collectives a token needs (replayed alone
 
 import json
 import os
-from collections import deque
+import queue
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from typing import List, Optional
 
 import typer
@@ -114,19 +117,32 @@ class Ranks:
 
         cmd = launch_command(n, [sys.executable, "-m", "justfit.bench.scale", "--worker", model, str(kv_bits)])
         self.timeout = timeout
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        # own process group: if the ranks hang, close() ends the launcher and every rank it started
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     start_new_session=True)
+        self.lines: "queue.Queue[str]" = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
         self.info = self.read()
 
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")  # EOF: the launcher has stopped
+
     def read(self) -> dict:
+        """Rank 0's next answer; a launcher that stopped, or no answer within the timeout, is an error."""
         deadline = time.time() + self.timeout
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                line = ""
             if not line:
                 break
             if line.startswith("SCALE "):
                 return json.loads(line[6:])
         self.close()
-        raise RuntimeError("the ranks stopped answering (see the launcher's messages above)")
+        raise RuntimeError(f"the ranks stopped answering within {self.timeout:.0f} s (see the launcher's messages above)")
 
     def round(self, i: int, tokens: int) -> dict:
         self.proc.stdin.write(f"round {i} {tokens}\n")
@@ -139,8 +155,8 @@ class Ranks:
                 self.proc.stdin.write("quit\n")
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
-            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
 
