@@ -1,4 +1,4 @@
-"""The `justfit` command line: chat, models, info, bench, probe, sessions."""
+"""The `justfit` command line: chat, serve, models, info, bench, probe, sessions."""
 
 import os
 import sys
@@ -160,6 +160,34 @@ def sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, 
     extra = dict(top_k=top_k or None, min_p=min_p or None,
                  repetition_penalty=repetition_penalty if repetition_penalty != 1.0 else None, stop=stop or None)
     return {**opts, **{k: v for k, v in extra.items() if v is not None}}
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("default", "--model", "-m", help="'default', an mlx-lm folder, a .gguf file or an HF repo id."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs --api-key."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0 picks a free one)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="JUSTFIT_API_KEY", help="Require 'Authorization: Bearer KEY' (env JUSTFIT_API_KEY)."),
+    cors: Optional[str] = typer.Option(None, "--cors", help="Allow browser requests from these origins (comma-separated); off by default."),
+    persist: bool = typer.Option(False, "--persist", help="Checkpoint every prompt_cache_key session to disk (as prompt_cache_retention='24h' does per request)."),
+    idle_release: Optional[float] = typer.Option(None, "--idle-release", min=1, help="Release weights and KV after this many idle seconds; the next request reloads them."),
+    max_queue: int = typer.Option(64, "--max-queue", min=1, help="Requests waiting beyond this get 503 with retry-after."),
+    max_body: int = typer.Option(8 << 20, "--max-body", min=1024, help="Largest request body in bytes (413 beyond)."),
+    kv_bits: KVBits = typer.Option(KVBits.four, "--kv-bits", help="KV cache precision: 4, 8 or 16 (full)."),
+    kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Bytes, '4GB', or a fraction/percent of RAM."),
+):
+    """Serve the model over the OpenAI HTTP API (chat and text completions, tools, JSON output, sessions)."""
+    from .config import KVConfig
+    from .phaseswap import parse_budget
+    from .runtime import Runtime
+    from .server.app import check_bind, serve as run_server
+
+    check_bind(host, api_key)
+    fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
+    rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget))
+    run_server(rt, host, port, api_key=api_key, cors=cors, persist=persist, idle_release=idle_release,
+               max_queue=max_queue, max_body=max_body)
 
 
 @models_app.command("list")

@@ -5,7 +5,7 @@ from typing import List, Literal, Optional
 
 import pytest
 
-from justfit_agents.grammar import closed, validate
+from justfit.grammar import closed, validate
 from justfit_agents.schema import parameters_schema
 from justfit_agents.tools import as_tool
 

@@ -228,3 +228,18 @@ def test_junk_model_folder_cli_exit_2(folder, tmp_path):
     p = subprocess.run([sys.executable, "-c", "from justfit.cli import main; main()", "chat", "-m", str(d), "-p", "hi"],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 2 and "could not load model" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_out_of_range_ids_through_generate_are_user_errors(folder, tmp_path):
+    """The generation path calls check_tokens (= check_token_ids): never a segfault, never garbage."""
+    rt = runtime(folder, tmp_path / "home")
+    for i, bad in enumerate(([10**9], [-1], [300], [1, 2.5])):
+        with pytest.raises(UserError, match="outside the vocabulary|not an integer|prompt must be"):
+            rt.session(f"gen{i}").generate(bad, max_tokens=2)
+
+
+def test_a_refused_turn_leaves_the_session_usable(folder, tmp_path):
+    s = runtime(folder, tmp_path / "home").session("gen")
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        s.generate([10**9], max_tokens=2)
+    assert s.generate([1, 2, 3], max_tokens=2).tokens

@@ -194,7 +194,8 @@ def run(argv: List[str], workspace: str, limits: Limits, mode: str, extra_read=(
         reader = _Reader(p.stdout, limits.output_chars)
         rc = _wait_then_kill_group(p, limits.timeout)
         if cgroup:
-            remove_cgroup(cgroup)
+            remove_cgroup(cgroup)  # anything left in it dies before we wait for the pipe to close
+            cgroup = None
         reader.join()
         return reader.text(), rc, reader.total
     finally:

@@ -8,6 +8,7 @@ Linux, Seatbelt on macOS): that is the wall. The shell allowlist is a convenienc
 Without a sandbox the code tools are disabled unless the user passes unsafe_no_sandbox=True.
 """
 
+import dataclasses
 import errno
 import os
 import re
@@ -51,8 +52,7 @@ class Workspace:
         self.max_write_bytes = max_write_bytes
         self.shell_allow = list(shell_allow) if shell_allow else None
         self.unsafe_no_sandbox = unsafe_no_sandbox
-        self.limits = limits or processes.Limits()
-        self.limits.timeout, self.limits.output_chars = timeout, max_output
+        self.limits = limits or processes.Limits()  # memory, processes, file size; timeout/output come from here
 
     # -- paths ---------------------------------------------------------------------------------
     def _parts(self, rel) -> List[str]:
@@ -300,7 +300,8 @@ class Workspace:
 
     def _run(self, argv: List[str]) -> str:
         mode = self.sandbox_mode()
-        out, rc, total = processes.run(argv, str(self.root), self.limits, mode)
+        limits = dataclasses.replace(self.limits, timeout=self.timeout, output_chars=self.max_output)
+        out, rc, total = processes.run(argv, str(self.root), limits, mode)
         if len(out) > self.max_output or total > len(out.encode()):
             out = out[: self.max_output] + f"\n[output cut: showed {min(len(out), self.max_output)} characters of {total} bytes]"
         if rc is None:

@@ -4,7 +4,7 @@ import inspect
 import json
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 from .schema import parameters_schema
 
@@ -99,8 +99,3 @@ def call_tool(t: Tool, arguments: dict) -> str:
         return to_text(t(**arguments))
     except Exception as e:  # a tool failing is information for the model, not a crash of the loop
         return f"error: {type(e).__name__}: {e}"
-
-
-def describe(tools: List[Tool]) -> str:
-    """One JSON line per tool, for prompts of models without native tool syntax."""
-    return "\n".join(json.dumps(t.schema()["function"], ensure_ascii=False) for t in tools)

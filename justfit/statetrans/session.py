@@ -185,7 +185,7 @@ class Session:
     def _delta(self, prompt):
         """(new token ids, new messages) for a turn; raw token ids pass through unchanged."""
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt), []
+            return check_token_ids(list(prompt), vocab_size(self.rt.model)), []  # refused before it joins
         if isinstance(prompt, str):
             msgs = [{"role": "user", "content": prompt}]
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
