@@ -319,6 +319,9 @@ def _config_defaults(command) -> dict:
 
 def main():
     """Console entry point (OpenBLAS is already loaded by `import justfit`); internal errors exit 1 in one line."""
+    from .distributed import quiet_followers  # distributed hook (issue 17)
+
+    quiet_followers()  # distributed hook (issue 17): under mlx.launch only rank 0 prints
     try:
         command = typer.main.get_command(app)
         rc = command.main(prog_name="justfit", standalone_mode=False, default_map=_config_defaults(command))

@@ -26,6 +26,7 @@ class Runtime:
 
     def __init__(self, model="default", kv: Optional[KVConfig] = None, memory_budget=None, home=None,
                  steering: Optional[Steering] = None, draft_model=None, drafter: str = "prompt-lookup"):
+        from .distributed import shard_model
         from .models import load
         from .phaseswap.attach import build_residency, make_drafter
         from .phaseswap.budget import budget_from_env, parse_budget
@@ -37,6 +38,7 @@ class Runtime:
         self.steering = steering
         self.model_spec = model
         self.model, self.tokenizer = load(model, home=self.home)
+        self.sharding = shard_model(self.model)  # distributed hook (issue 17): cuts the model per mlx.launch rank; no-op in one process
         self.phaseswap = build_residency(self.model, self.memory_budget, self.home)
         self.drafter, self.gate = make_drafter(self.phaseswap, self.tokenizer, self.home, draft_model, drafter)
         self.index = make_index(self.model, self.tokenizer, self.kv, self.home)

@@ -7,6 +7,7 @@ app = typer.Typer(help="Benchmarks against mlx-lm in the same process. --json pr
 from .agent import agent  # noqa: E402
 from .kv import kv  # noqa: E402
 from .phases import phases  # noqa: E402
+from .scale import scale  # noqa: E402
 from .serve import serve  # noqa: E402
 from .sessions import sessions  # noqa: E402
 
@@ -15,3 +16,4 @@ app.command("sessions")(sessions)
 app.command("phases")(phases)
 app.command("agent")(agent)
 app.command("serve")(serve)
+app.command("scale")(scale)
