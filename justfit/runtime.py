@@ -40,6 +40,8 @@ class Runtime:
         self.model, self.tokenizer = load(model, home=self.home)
         self.sharding = shard_model(self.model)  # distributed hook (issue 17): cuts the model per mlx.launch rank; no-op in one process
         self.phaseswap = build_residency(self.model, self.memory_budget, self.home)
+        if self.sharding.world_size > 1:  # the drafting gate times steps per rank: ranks would diverge
+            drafter, draft_model = "none", None
         self.drafter, self.gate = make_drafter(self.phaseswap, self.tokenizer, self.home, draft_model, drafter)
         self.index = make_index(self.model, self.tokenizer, self.kv, self.home)
         self.last_stats = TurnStats()
