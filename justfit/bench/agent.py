@@ -148,6 +148,7 @@ def agent(
     log("justfit agent ...")
     rows, work, wall = _justfit(rt, steps, guide_repeat)
     walls = {"justfit": wall}
+    rt.ensure_resident()  # mlx-lm calls rt.model itself: the weights the agent's tool phases released come back
     for reuse in (False, True):
         log(f"mlx-lm {'prompt cache' if reuse else 're-prefill'} ...")
         r, w = _mlx_lm(rt.model, work, reuse)
