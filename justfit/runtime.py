@@ -57,6 +57,7 @@ class Runtime:
         self.model_spec = model
         self.model, self.tokenizer = load(model, home=self.home)
         self.last_stats: dict = {}
+        self.scheduler = None  # batching (scheduler): the Engine, made on first use by batch_engine()
         attach(self, draft_model)  # PhaseSwap: self.phaseswap (residency manager), self.drafter
 
     # -- tokens -------------------------------------------------------------------------------
@@ -179,3 +180,41 @@ class Runtime:
         stats["peak_memory_bytes"] = mx.get_peak_memory()
         if detok.last_segment:
             yield Chunk(detok.last_segment, -1)
+
+    # -- batching (scheduler) --------------------------------------------------------------------
+    def batch_engine(self, kv_budget_bytes: Optional[int] = None, **options):
+        """The continuous-batching engine (scheduler.Engine) over this runtime's model and shared page
+        pool, made on first use; kv_budget_bytes bounds its KV pages (default: the memory budget less
+        the weights). Options (step_tokens, max_batch) apply when it is made."""
+        if self.scheduler is None:
+            from mlx.utils import tree_flatten
+
+            from .scheduler import Engine
+
+            if kv_budget_bytes is None and self.memory_budget is not None:
+                weights = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+                kv_budget_bytes = max(1, self.memory_budget - weights)
+            self.scheduler = Engine(self.model, self.tokenizer, self.make_cache, index=self.prefix_index(),
+                                    kv=self.kv, budget_bytes=kv_budget_bytes, home=self.home, **options)
+        return self.scheduler
+
+    def submit(self, prompt, max_tokens: int = 256, **sampling):
+        """Queue one request to run batched with others: iterate it for Chunks, `req.cancel()`,
+        `req.result()` -> Generation. Sampling options as for generate (temperature, seed, top_p, stop...)."""
+        tokens = list(prompt) if _is_token_ids(prompt) else self.encode(prompt)
+        return self.batch_engine().submit(tokens, max_tokens, **sampling)
+
+    def generate_batch(self, prompts, max_tokens: int = 256, **sampling) -> List[Generation]:
+        """Generate replies to several prompts in one continuous batch; Generations in prompt order."""
+        reqs = [self.submit(p, max_tokens, **sampling) for p in prompts]
+        return self.batch_engine().run(reqs)
+
+    def submit_async(self, prompt, max_tokens: int = 256, **sampling):
+        """asyncio form of submit: `async for chunk in req`, `await req.result()`, `req.cancel()`."""
+        from .scheduler import AsyncRequest
+
+        return AsyncRequest(self.submit(prompt, max_tokens, **sampling))
+
+
+def _is_token_ids(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
