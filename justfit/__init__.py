@@ -8,10 +8,14 @@ from .errors import MemoryBudgetError, UserError  # noqa: E402
 
 def __getattr__(name):
     # Lazy so that `import justfit` stays cheap (the CLI re-execs itself before importing MLX).
-    if name in ("Runtime", "Generation", "Chunk"):
-        from . import runtime
+    if name == "Runtime":
+        from .runtime import Runtime
 
-        return getattr(runtime, name)
+        return Runtime
+    if name in ("Generation", "Chunk", "TurnStats"):
+        from . import turns
+
+        return getattr(turns, name)
     if name == "load":
         from .models import load
 
@@ -27,4 +31,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'justfit' has no attribute {name!r}")
 
 
-__all__ = ["KVConfig", "UserError", "MemoryBudgetError", "Runtime", "load", "make_cache", "Session"]
+__all__ = ["KVConfig", "UserError", "MemoryBudgetError", "Runtime", "load", "make_cache", "Session",
+           "Generation", "Chunk", "TurnStats"]

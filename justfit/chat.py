@@ -6,8 +6,9 @@ from typing import Iterator, List, Optional
 import typer
 
 
-def format_stats(stats: dict) -> str:
-    """The one-line footer: prompt tokens, TTFT, decode speed, peak memory."""
+def format_stats(stats) -> str:
+    """The one-line footer (from TurnStats): prompt tokens, TTFT, decode speed, peak memory."""
+    stats = stats.as_dict()
     draft = (f" | {stats['drafter']} {stats.get('accepted_tokens', 0)}/{stats.get('drafted_tokens', 0)} accepted"
              if stats.get("drafter", "none") != "none" else "")
     return (f"[prompt {stats.get('prompt_tokens', 0)} tok, reused {stats.get('reused_tokens', 0)} | "
@@ -76,7 +77,7 @@ def repl(rt, system: Optional[str], opts: dict, show_residency: bool = False) ->
             messages = list(start)
             typer.echo("[history cleared]", err=True)
         elif cmd == "/stats":
-            typer.echo(format_stats(rt.last_stats) if rt.last_stats else "[no turn yet]", err=True)
+            typer.echo(format_stats(rt.last_stats) if rt.last_stats.prompt_tokens else "[no turn yet]", err=True)
         else:
             messages.append({"role": "user", "content": line})
             messages.append({"role": "assistant", "content": _reply(rt, messages, opts)})
@@ -115,7 +116,8 @@ def session_chat(rt, name: str, prompt: Optional[str], system: Optional[str], op
                 first = [{"role": "system", "content": system}] if system else []
                 typer.echo("[session cleared]", err=True)
             elif cmd == "/stats":
-                typer.echo(format_stats(session.last_stats) if session.last_stats else "[no turn yet]", err=True)
+                typer.echo(format_stats(session.last_stats) if session.last_stats.prompt_tokens else "[no turn yet]",
+                           err=True)
             else:
                 _reply(session, first + [{"role": "user", "content": line}], opts)
                 first = []

@@ -19,7 +19,7 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except UserError as e:
             typer.echo(f"justfit: error: {e}", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
 
 
 app = typer.Typer(cls=_Group, no_args_is_help=True, add_completion=False,
@@ -97,9 +97,14 @@ def chat(
     fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
     from .phaseswap import parse_budget
 
-    rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt),
-                 memory_budget=parse_budget(memory_budget), draft_model=draft_model,
-                 avoid_regimes=avoid_regimes)
+    kv = KVConfig(bits=int(kv_bits.value), format=fmt)
+    steering = None
+    if avoid_regimes:
+        from .probe.maps import RegimeSteering
+
+        steering = RegimeSteering(model, kv)
+    rt = Runtime(model=model, kv=kv, memory_budget=parse_budget(memory_budget), draft_model=draft_model,
+                 steering=steering)
     opts = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     if session is not None:
         session_chat(rt, session, prompt, system, opts, stats)

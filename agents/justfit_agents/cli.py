@@ -19,14 +19,14 @@ def _show(event) -> None:
     if event.kind == "call":
         args = ", ".join(f"{k}={v!r}" for k, v in event.call.arguments.items())
         typer.echo(f"[step {event.step}] {event.call.name}({args[:200]})  "
-                   f"prompt {st['prompt_tokens']} / reused {st['reused_tokens']} / prefilled {st['prefilled_tokens']} "
-                   f"tok, {st['turn_s']:.1f} s", err=True)
+                   f"prompt {st.prompt_tokens} / reused {st.reused_tokens} / prefilled {st.prefilled_tokens} "
+                   f"tok, {st.turn_s:.1f} s", err=True)
     elif event.kind == "result":
         text = event.text if len(event.text) < 400 else event.text[:400] + " ..."
         typer.echo("    -> " + text.replace("\n", "\n       "), err=True)
     elif event.kind == "answer":
-        typer.echo(f"[step {event.step}] answer  prompt {st['prompt_tokens']} / reused {st['reused_tokens']} / "
-                   f"prefilled {st['prefilled_tokens']} tok, {st['turn_s']:.1f} s", err=True)
+        typer.echo(f"[step {event.step}] answer  prompt {st.prompt_tokens} / reused {st.reused_tokens} / "
+                   f"prefilled {st.prefilled_tokens} tok, {st.turn_s:.1f} s", err=True)
 
 
 @app.command("run")
@@ -46,9 +46,7 @@ def run(
     """Run a ready agent on a task; steps stream to stderr, the final answer goes to stdout."""
     from pathlib import Path
 
-    from justfit.config import KVConfig
-    from justfit.errors import UserError
-    from justfit.runtime import Runtime
+    from justfit import KVConfig, Runtime, UserError
 
     from .ready import READY
     from .sandbox import SandboxError

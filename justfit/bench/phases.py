@@ -138,11 +138,9 @@ def justfit_turns(rt, workload, drafter, tokens, tool_mb, tool_s, rows):
     import mlx.core as mx
     import psutil
 
-    from ..phaseswap.attach import add_cache, set_drafter
-
-    set_drafter(rt, drafter)
+    rt.set_drafter(drafter)
     cache, history, proc = rt.make_cache(), [], psutil.Process()
-    add_cache(rt, f"kv:bench-{workload}-{drafter}", cache)
+    rt.phaseswap.add_cache(f"kv:bench-{workload}-{drafter}", cache, rt.home / "spill")
     cached = []
     for turn, text in enumerate(WORKLOADS[workload]):
         msgs = history + [{"role": "user", "content": text}]
@@ -150,7 +148,7 @@ def justfit_turns(rt, workload, drafter, tokens, tool_mb, tool_s, rows):
         reuse = _reuse(cache, cached, ids)
         with Sampler() as s:
             chunks = list(rt.stream_tokens(ids, cache, max_tokens=tokens, reused_tokens=reuse))
-        st = dict(rt.last_stats)
+        st = rt.last_stats.as_dict()
         toks = [c.token for c in chunks if c.token >= 0]
         cached = ids + toks
         history = msgs + [{"role": "assistant", "content": "".join(c.text for c in chunks)}]

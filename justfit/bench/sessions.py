@@ -146,13 +146,13 @@ def _fork_rows(systems, rt, session, history, model, max_tokens):
                 row["kv_bytes_added"] = _kv_bytes(child.cache)  # a full private copy plus its new tokens
                 del before
             else:
-                pool = rt.prefix_index().pool
+                pool = rt.index.pool
                 before = pool.nbytes
                 t0 = time.perf_counter()
                 child = session.fork(f"bench-sub{i}")
                 fork_s = time.perf_counter() - t0
                 g = child.generate(task[-1:], max_tokens=max_tokens)
-                st = g.stats
+                st = g.stats.as_dict()
                 tokens = child.tokens
                 row = {"ttft_s": st["ttft_s"] + fork_s, "turn_s": st["turn_s"] + fork_s,
                        "reused_tokens": st["reused_tokens"], "checkpoint_s": st["checkpoint_s"],
@@ -193,8 +193,8 @@ def _restart_child(folder, home, name, kv_bits, cache_file, next_msg, max_tokens
     restored = s.kv_tokens - (len(tokens) - (len(tokens) // rt.kv.page_size) * rt.kv.page_size)
     g = s.generate(next_msg, max_tokens=int(max_tokens))
     rows.append({"system": "justfit", "phase": "restore", "history_tokens": len(tokens), "restore_s": restore_s,
-                 "restored_page_tokens": restored, "ttft_s": g.stats["ttft_s"], "turn_s": g.stats["turn_s"],
-                 "reused_tokens": g.stats["reused_tokens"]})
+                 "restored_page_tokens": restored, "ttft_s": g.stats.ttft_s, "turn_s": g.stats.turn_s,
+                 "reused_tokens": g.stats.reused_tokens})
     t0 = time.perf_counter()
     cache, _ = load_prompt_cache(str(cache_file), return_metadata=True)
     mx.eval([c.state for c in cache])
@@ -244,7 +244,7 @@ def sessions(
             hist = histories[k] + [{"role": "user", "content": msg}]
             if systems[k] is None:
                 g = session.generate(hist if t == 0 else hist[-1:], max_tokens=reply_tokens)
-                st = g.stats
+                st = g.stats.as_dict()
                 row = {"system": "justfit", "ttft_s": st["ttft_s"], "turn_s": st["turn_s"],
                        "reused_tokens": st["reused_tokens"], "checkpoint_s": st["checkpoint_s"],
                        "disk_bytes_written": st["disk_bytes_written"]}

@@ -197,7 +197,7 @@ class TorchBackend:
         steps, past = [], None
         with torch.no_grad():
             self._sync()
-            for i in range(budget):
+            for _ in range(budget):
                 t = time.perf_counter()
                 inp = tokens[:, -1:] if (kv and past is not None) else tokens
                 out = self.model(inp, past_key_values=past, use_cache=kv)

@@ -61,6 +61,7 @@ class Manifest:
     tokens: List[int] = field(default_factory=list)
     pages: List[dict] = field(default_factory=list)  # [{"hash", "sha256", "bytes"}] for tokens[:len*P]
     messages: List[dict] = field(default_factory=list)  # [{"role", "content", "end"}]
+    open_page: Optional[dict] = None  # {"hash", "sha256", "tokens"}: the partial last page, full precision
     model: str = ""
     parent: Optional[str] = None
     created: float = field(default_factory=time.time)
