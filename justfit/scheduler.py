@@ -87,9 +87,9 @@ class Engine:
 
     def __init__(self, model, tokenizer, make_cache: Callable[[], list], index=None, kv=None,
                  budget_bytes: Optional[int] = None, step_tokens: int = STEP_TOKENS, max_batch: int = MAX_BATCH,
-                 context: Optional[int] = None, residency=None, home=None):
+                 context: Optional[int] = None, residency=None):
         self.model, self.tokenizer, self.make_cache, self.index = model, tokenizer, make_cache, index
-        self.kv, self.budget_bytes, self.home = kv, budget_bytes, home
+        self.kv, self.budget_bytes = kv, budget_bytes
         self.step_tokens, self.max_batch, self.residency = step_tokens, max_batch, residency
         args = getattr(model, "args", None)
         self.context = context or getattr(args, "max_position_embeddings", None) or 1 << 20
@@ -176,8 +176,8 @@ class Engine:
             now = time.perf_counter()
             for j, (r, n) in enumerate(plan):
                 P = r.caches[0].seq.page_size
-                if self.index is not None and (r.cached - n) // P < r.cached // P:
-                    self.index.publish(r.caches[0].seq, r.feed)  # sealed pages: followers attach them now
+                if self.index is not None and (r.cached - n) // P < r.cached // P:  # followers attach them now
+                    self.index.publish(r.caches[0].seq, r.feed[:r.cached // P * P])  # sealed pages only
                 if r.cached == len(r.feed):
                     self._advance(r, logits[j], now)
             return len(ids)
@@ -320,7 +320,7 @@ class Engine:
         seq = r.caches[0].seq
         if self.index is not None:
             published = self.index.publish(seq, r.feed[:r.cached])
-            if getattr(self.index, "persist", True):
+            if self.index.persist:
                 try:
                     commit(self.index.store, self.index.home, None, self.index.new_pages(published),
                            self.index.checksums)

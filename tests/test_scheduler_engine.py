@@ -34,7 +34,7 @@ def _alone(rt, ids, n):
 
 
 def _engine(rt, **kw):
-    return Engine(rt.model, rt.tokenizer, rt.make_cache, index=rt.prefix_index(), kv=rt.kv, **kw)
+    return Engine(rt.model, rt.tokenizer, rt.make_cache, index=rt.index, kv=rt.kv, **kw)
 
 
 def _unique(text):
@@ -65,24 +65,23 @@ def test_join_leave_and_chunked_prefill_next_to_decode(rt):
 
 
 def test_cancel_frees_private_pages_at_once(rt):
-    pool = rt.prefix_index().pool
-    indexed = set(rt.prefix_index().mem.values())
-    baseline = {p for p in pool.refs if p not in indexed}
+    pool, index = rt.index.pool, rt.index
+    assert index.sequence_refs() == 0
     eng = _engine(rt)
     keep = eng.submit(rt.encode(_unique("Count to ten.")), max_tokens=8)
     drop = eng.submit(rt.encode(_unique("Tell me about the moon. " * 6)), max_tokens=50)
     for _ in range(3):
         eng.step()
     drop_pages = set(drop.caches[0].seq.table)
+    held = index.sequence_refs()
     drop.cancel()
-    indexed = set(rt.prefix_index().mem.values())
-    assert not (drop_pages - indexed) & set(pool.refs)  # its private pages are gone now, not at the end
+    assert index.sequence_refs() == held - len(drop_pages)  # its references are gone now, not at the end
+    private = {p for p in drop_pages if p not in set(index.mem.values())}
+    assert private and not private & set(pool.refs)  # and its private pages are free
     assert drop.done and drop.finish_reason == "cancelled"
     assert len(list(drop)) <= 3  # what was produced before the cancel, then the iteration ends
     keep.result()
-    indexed = set(rt.prefix_index().mem.values())
-    assert {p for p in pool.refs if p not in indexed} == baseline  # back to baseline
-    assert all(pool.refs[p] == 1 for p in indexed if p in pool.refs)  # only the index holds shared pages
+    assert index.sequence_refs() == 0  # back to baseline: only the prefix index holds pages
 
 
 def test_bad_requests_refused_without_disturbing_the_batch(rt):
