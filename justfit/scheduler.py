@@ -87,14 +87,14 @@ class Engine:
 
     def __init__(self, model, tokenizer, make_cache: Callable[[], list], index=None, kv=None,
                  budget_bytes: Optional[int] = None, step_tokens: int = STEP_TOKENS, max_batch: int = MAX_BATCH,
-                 context: Optional[int] = None, residency=None):
+                 context: Optional[int] = None, residency=None, eos: Optional[set] = None):
         self.model, self.tokenizer, self.make_cache, self.index = model, tokenizer, make_cache, index
         self.kv, self.budget_bytes = kv, budget_bytes
         self.step_tokens, self.max_batch, self.residency = step_tokens, max_batch, residency
         args = getattr(model, "args", None)
         self.context = context or getattr(args, "max_position_embeddings", None) or 1 << 20
         self.vocab = vocab_size(model)
-        self.eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.eos = set(getattr(tokenizer, "eos_token_ids", ()) or ()) if eos is None else set(eos)  # stop ids
         self.queue: deque = deque()  # QUEUED / WAITING requests, oldest first (preempted ones at the front)
         self.running: List[Request] = []  # admitted, oldest first
         self.lock = threading.RLock()
@@ -174,18 +174,22 @@ class Engine:
             mx.eval(logits, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
             self.steps += 1
             now = time.perf_counter()
+            greedy = mx.argmax(logits, axis=-1).tolist()  # one evaluation for every plain greedy row
             for j, (r, n) in enumerate(plan):
                 P = r.caches[0].seq.page_size
                 if self.index is not None and (r.cached - n) // P < r.cached // P:  # followers attach them now
                     self.index.publish(r.caches[0].seq, r.feed[:r.cached // P * P])  # sealed pages only
                 if r.cached == len(r.feed):
-                    self._advance(r, logits[j], now)
+                    self._advance(r, logits[j], greedy[j], now)
             return len(ids)
 
-    def _choose(self, r: Request, logits) -> int:
-        """Sampling of one row: the same processors, constraint and sampler as the single-sequence path."""
+    def _choose(self, r: Request, logits, greedy: int) -> int:
+        """Sampling of one row: the same processors, constraint and sampler as the single-sequence path
+        (generation.Sampling); `greedy` is the row's argmax, used as is when nothing rewrites the logits."""
         import mlx.core as mx
 
+        if r.sampling.temperature == 0 and r.sampling.constraint is None and not r._processors:
+            return greedy
         if r._processors:
             ctx = mx.array(r.feed)
             for p in r._processors:
@@ -198,8 +202,8 @@ class Engine:
             mx.random.seed((r.sampling.seed * 1_000_003 + len(r.out)) % 2**63)
         return int(r._sample((logits - mx.logsumexp(logits, keepdims=True))[None])[0])
 
-    def _advance(self, r: Request, logits, now: float):
-        tok = self._choose(r, logits)
+    def _advance(self, r: Request, logits, greedy: int, now: float):
+        tok = self._choose(r, logits, greedy)
         if not r.out:
             r.stats.ttft_s = r.stats.prefill_s = now - r.submitted
         r.token_times.append(now)
