@@ -61,7 +61,7 @@ def test_join_leave_and_chunked_prefill_next_to_decode(rt):
     assert a.out == _alone(rt, a_ids, 10)
     assert b.out == _alone(rt, b_ids, 6)
     assert c.done and len(c.out) <= 2
-    assert b.stats.prefilled_tokens == len(b_ids) and b.stats.generated_tokens == len(b.out)
+    assert b.stats.prefilled_tokens == len(b_ids) - b.stats.reused_tokens and b.stats.generated_tokens == len(b.out)
 
 
 def test_cancel_frees_private_pages_at_once(rt):
@@ -106,8 +106,8 @@ def test_shared_prefix_is_prefilled_once_even_in_the_same_step(rt):
     gens = eng.run(reqs)
     first, rest = gens[0].stats, [g.stats for g in gens[1:]]
     shared = min(s.reused_tokens for s in rest)
-    assert first.reused_tokens == 0 and first.prefilled_tokens == first.prompt_tokens
-    assert shared >= 64  # the followers attached the leader's prefix pages
+    assert first.reused_tokens < 32 and first.prefilled_tokens == first.prompt_tokens - first.reused_tokens
+    assert shared >= 64  # the followers attached the leader's prefix pages instead of prefilling them
     assert sum(s.prefilled_tokens for s in rest) == sum(s.prompt_tokens - s.reused_tokens for s in rest)
     for p, g in zip(prompts, gens):
         assert g.tokens == _alone(rt, rt.encode(p), 4)
