@@ -2,12 +2,16 @@
 
 __version__ = "0.1.0"
 
+from .blas import use_fast_blas  # noqa: E402
+
+use_fast_blas()  # before anything imports MLX: OpenBLAS on Linux CPU (see blas.py)
+
 from .config import KVConfig  # noqa: E402
 from .errors import MemoryBudgetError, UserError  # noqa: E402
 
 
 def __getattr__(name):
-    # Lazy so that `import justfit` stays cheap (the CLI re-execs itself before importing MLX).
+    # Lazy so that `import justfit` stays cheap and loads OpenBLAS before MLX is imported.
     if name == "Runtime":
         from .runtime import Runtime
 

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Set
 
 from .errors import UserError
-from .models.vocab import check_tokens, vocab_size
+from .models.vocab import check_token_ids, vocab_size
 from .turns import Chunk, TurnStats
 
 PREFILL_STEP = 2048
+ONE_PASS = 256  # prompts up to this many new tokens are prefilled with the LM head in a single pass
 TIE_EPS = 1e-3
 
 
@@ -86,13 +87,15 @@ def _noop_enter(*args, **kwargs) -> float:
     return 0.0
 
 
-def prefill_workspace(model, n_tokens: int, context: int) -> int:
-    """Rough float32 activation bytes of one prefill chunk (hidden, MLP, bounded attention block)."""
+def prefill_workspace(model, n_tokens: int, context: int, head: bool = False) -> int:
+    """Rough float32 activation bytes of one prefill chunk (hidden, MLP, bounded attention block, and the
+    logits when the LM head runs on every position)."""
     a = getattr(model, "args", None)
     hidden = getattr(a, "hidden_size", 4096)
     inter = getattr(a, "intermediate_size", 4 * hidden)
     heads = getattr(a, "num_attention_heads", 32)
-    return 4 * n_tokens * (4 * hidden + 3 * inter) + 4 * heads * min(n_tokens, 2048) * min(context, 8192)
+    logits = 4 * n_tokens * getattr(a, "vocab_size", 32000) if head else 0
+    return 4 * n_tokens * (4 * hidden + 3 * inter) + 4 * heads * min(n_tokens, 2048) * min(context, 8192) + logits
 
 
 def prefill(model, cache, ids: List[int], residency=None, progress: Optional[Callable] = None,
@@ -164,10 +167,13 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
         return model(mx.array(ids)[None], cache=cache)[:, -1, :]
 
     with mx.stream(generation_stream):
-        counts["reload_s"] += prefill(model, cache, list(prompt[:-1]), residency, progress)
-        context = (cache[0].offset if cache else 0) + 1
-        counts["reload_s"] += enter("prefill-last", caches=cache, workspace=prefill_workspace(model, 1, context))
-        y = choose(forward(prompt[-1:]))
+        # A short prompt (a chat turn on a cached history) goes through the full model in one pass: the
+        # LM head over <= ONE_PASS positions costs less than a second pass through every layer.
+        tail = len(prompt) if len(prompt) <= ONE_PASS else 1
+        counts["reload_s"] += prefill(model, cache, list(prompt[:-tail]), residency, progress)
+        context = (cache[0].offset if cache else 0) + tail
+        counts["reload_s"] += enter("prefill-last", caches=cache, workspace=prefill_workspace(model, tail, context, head=True))
+        y = choose(forward(prompt[-tail:]))
         mx.eval(y)
         counts["reload_s"] += enter("decode", caches=cache)
         spec = sampling.plain_greedy and drafter is not None
@@ -310,7 +316,7 @@ def stream_turn(model, tokenizer, tokens: List[int], cache, reused: int, max_tok
         raise UserError("the prompt renders to no tokens")
     if not 0 <= reused < len(tokens):
         raise ValueError("reused tokens must leave at least one token to prefill")
-    check_tokens(tokens, vocab_size(model))
+    check_token_ids(tokens, vocab_size(model))
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     detok = tokenizer.detokenizer

@@ -26,6 +26,7 @@ class Runtime:
 
     def __init__(self, model="default", kv: Optional[KVConfig] = None, memory_budget=None, home=None,
                  steering: Optional[Steering] = None, draft_model=None, drafter: str = "prompt-lookup"):
+        from .distributed import shard_model
         from .models import load
         from .phaseswap.attach import build_residency, make_drafter
         from .phaseswap.budget import budget_from_env, parse_budget
@@ -37,7 +38,10 @@ class Runtime:
         self.steering = steering
         self.model_spec = model
         self.model, self.tokenizer = load(model, home=self.home)
+        self.sharding = shard_model(self.model)  # distributed hook (issue 17): cuts the model per mlx.launch rank; no-op in one process
         self.phaseswap = build_residency(self.model, self.memory_budget, self.home)
+        if self.sharding.world_size > 1:  # the drafting gate times steps per rank: ranks would diverge
+            drafter, draft_model = "none", None
         self.drafter, self.gate = make_drafter(self.phaseswap, self.tokenizer, self.home, draft_model, drafter)
         self.index = make_index(self.model, self.tokenizer, self.kv, self.home)
         self.last_stats = TurnStats()
@@ -90,6 +94,18 @@ class Runtime:
         from .phaseswap.toolphase import tool_phase
 
         return tool_phase(self.phaseswap, self.model, session)
+
+    def register_kv(self, name: str, caches, nbytes: Callable[[], int], release: Callable[[], None],
+                    checkpointed: Callable[[], bool]):
+        """Make a session's KV a PhaseSwap component: a tool phase calls release() (pages already on disk
+        become lazy loaders), phases that run on `caches` lease it, nothing is loaded eagerly."""
+        from .phaseswap.components import Component
+
+        self.phaseswap.add_kv(Component(name, "kv", nbytes, load=lambda: None, unload=release, roles=("kv",),
+                                        checkpointed=checkpointed), caches)
+
+    def unregister_kv(self, name: str):
+        self.phaseswap.remove(name)
 
     def set_drafter(self, name: str):
         """Switch drafting: 'none' or 'prompt-lookup' (a draft model is given at construction)."""

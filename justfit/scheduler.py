@@ -18,7 +18,8 @@ from collections import deque
 from typing import Callable, Dict, Iterator, List, Optional
 
 from .errors import MemoryBudgetError, UserError
-from .generation import Sampling, StopText, check_tokens, vocab_size
+from .generation import Sampling, StopText
+from .models.vocab import check_token_ids, vocab_size
 from .turns import Chunk, Generation, TurnStats
 
 STEP_TOKENS = 512  # rows of one forward pass: decoders first, prefill chunks fill the rest
@@ -113,7 +114,7 @@ class Engine:
             raise UserError("the prompt is empty: give at least one token")
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
-        check_tokens(tokens, self.vocab)
+        tokens = check_token_ids(tokens, self.vocab)
         if len(tokens) + max_tokens > self.context:
             raise UserError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                             f"context of {self.context} tokens")

@@ -3,7 +3,7 @@ validate across seeds with tool_choice="required", and later seeds reuse the sha
 
 from . import agents_support  # noqa: F401
 from justfit_agents import Agent
-from justfit_agents.grammar import validate
+from justfit.grammar import validate
 
 
 def convert(amount: float, unit: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from .agents_support import AGENTS, TinyRuntime
 from justfit_agents import Agent
-from justfit_agents.grammar import validate
+from justfit.grammar import validate
 
 
 def lookup(key: str, count: int = 1) -> str:

@@ -99,3 +99,26 @@ def test_same_messages_give_the_same_ids_in_chat_session_and_agent(runtime16):
     assert n == len(chat_ids) and a.state.session.tokens[:n] == chat_ids
     s.close()
     a.close()
+
+
+def test_tool_phase_releases_a_sessions_pages_and_they_come_back(runtime16):
+    import uuid
+
+    rt = runtime16
+    name = f"tool-{uuid.uuid4().hex[:8]}"
+    s = rt.session(name)
+    s.generate(LONG, max_tokens=4)
+    ref = s.fork(None)  # same history, pages shared; its continuation is the reference
+    expect = ref.generate("When does the cargo boat leave?", max_tokens=6).tokens
+    ref.close()
+    held = s.resident_bytes()
+    assert held > 0
+    with s.tool_phase() as released:
+        assert s.resident_bytes() < 0.05 * held  # the session's K/V is on disk only
+        assert released >= 0.9 * held
+    g = s.generate("When does the cargo boat leave?", max_tokens=6)
+    assert g.tokens == expect and g.stats.reused_tokens > 0.9 * len(rt.encode(LONG))
+    s.close()
+    from justfit.statetrans.manifest import remove_manifest
+
+    remove_manifest(rt.home, name)

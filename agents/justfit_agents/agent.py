@@ -5,11 +5,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
 
 from justfit import TurnStats
+from justfit.grammar import Constraint, choice_name, lark_grammar
+from justfit.toolcalls import FINISH_TEXT, FINISH_TOOL, describe, detect
 
-from .grammar import Constraint, choice_name, lark_grammar
 from .state import AgentState
-from .toolcalls import FINISH_TEXT, FINISH_TOOL, detect
-from .tools import Tool, as_tool, as_tools, call_tool, describe, truncate
+from .tools import Tool, as_tool, as_tools, call_tool, truncate
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Use the tools to find facts; answer briefly."
 

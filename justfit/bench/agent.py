@@ -137,13 +137,13 @@ def agent(
         sys.path.insert(0, str(agents_src))  # running from a checkout without `pip install -e .`
 
     import justfit
+    from justfit.grammar import ll_tokenizer
     from justfit.models import backend
-    from justfit_agents.agent import _vocab_size
-    from justfit_agents.grammar import ll_tokenizer
+    from justfit.models.vocab import vocab_size
 
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     rt = justfit.Runtime(model=model, kv=justfit.KVConfig(bits=kv_bits))
-    ll_tokenizer(rt.tokenizer, _vocab_size(rt.model))  # built once per process: not part of any step
+    ll_tokenizer(rt.tokenizer, vocab_size(rt.model))  # built once per process: not part of any step
     rt.generate("Hi", max_tokens=4)  # warm-up
     log("justfit agent ...")
     rows, work, wall = _justfit(rt, steps, guide_repeat)

@@ -8,6 +8,8 @@ from .agent import agent  # noqa: E402
 from .batch import batch  # noqa: E402
 from .kv import kv  # noqa: E402
 from .phases import phases  # noqa: E402
+from .scale import scale  # noqa: E402
+from .serve import serve  # noqa: E402
 from .sessions import sessions  # noqa: E402
 
 app.command("kv")(kv)
@@ -15,3 +17,5 @@ app.command("sessions")(sessions)
 app.command("phases")(phases)
 app.command("agent")(agent)
 app.command("batch")(batch)
+app.command("serve")(serve)
+app.command("scale")(scale)

@@ -4,7 +4,7 @@ Chat, sessions, agents and the server all render through here, so the same messa
 same ids. A tokenizer without a chat template gets the contents joined by newlines.
 """
 
-from typing import List
+from typing import List, Optional
 
 
 def _plain(messages: List[dict]) -> List[dict]:
@@ -13,13 +13,17 @@ def _plain(messages: List[dict]) -> List[dict]:
     return [{k: m[k] for k in keep if k in m} for m in messages]
 
 
-def chat_text(tokenizer, messages: List[dict], add_generation_prompt: bool = True) -> str:
-    """The prompt text of `messages` (empty for no messages)."""
+def chat_text(tokenizer, messages: List[dict], add_generation_prompt: bool = True,
+              tools: Optional[List[dict]] = None) -> str:
+    """The prompt text of `messages` (empty for no messages); `tools` (JSON schemas) go to templates
+    that render tools themselves."""
     if not messages:
         return ""
     msgs = _plain(messages)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False)
+        kwargs = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **kwargs)
     return "\n".join(str(m.get("content") or "") for m in msgs) + ("\n" if add_generation_prompt else "")
 
 

@@ -89,9 +89,13 @@ class Residency:
         """Register a cache list's KV as a component (spilled to `spill_root` when released)."""
         from .kvspill import cache_component
 
-        comp = self.add(cache_component(name, caches, spill_root))
-        self.kv_of[id(caches)] = name
-        return comp
+        return self.add_kv(cache_component(name, caches, spill_root), caches)
+
+    def add_kv(self, component: Component, caches) -> Component:
+        """Register the KV component of a cache list; phases that run on `caches` lease it."""
+        self.add(component)
+        self.kv_of[id(caches)] = component.name
+        return component
 
     # -- phases ---------------------------------------------------------------------------------
     def needed(self, phase: str, caches=None, extra: Iterable[str] = ()) -> List[str]:

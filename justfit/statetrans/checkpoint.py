@@ -4,6 +4,7 @@ of a checkpoint (new pages, then the manifest, under the store lock)."""
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from .lock import acquire
 from .manifest import Manifest, write_manifest
 from .store import PageFile, PageStore
 
@@ -86,6 +87,7 @@ def commit(store: PageStore, home: Path, manifest: Manifest, new_pages: List[Tup
             checksums[h] = sha
             written += n
         if manifest is not None:
+            acquire(home, manifest.name, count=False)  # a fork's new session: take its lock on first commit
             for i, entry in enumerate(manifest.pages):
                 sha = entry.get("sha256") or checksums.get(entry["hash"]) or store.file_sha256(entry["hash"])
                 if sha is None:  # evicted by another process meanwhile: later pages are recomputed on restore

@@ -16,10 +16,13 @@ import time
 from typing import Iterator, List, Optional
 
 from ..errors import UserError
+from ..kvexec import Page
 from ..models.chat import chat_text, encode_text
-from ..models.vocab import check_tokens, vocab_size
+from ..models.vocab import check_token_ids, vocab_size
 from ..turns import Generation, TurnStats
 from .checkpoint import commit, open_page_tensors, page_loaders
+from .lock import acquire as acquire_lock  # issue 15
+from .lock import release as release_lock  # issue 15
 from .manifest import Manifest, check_name, manifest_path, read_manifest, warn
 from .store import CorruptPage, StoreWriteError
 
@@ -49,14 +52,26 @@ class Session:
         self.writable = True  # False after the store failed once: auto checkpoints stay in memory
         self.last_stats = TurnStats()
         self.restore_s = 0.0
+        self.kv_name = f"kv:session:{self.name}" if persist else None
+        if self.kv_name:
+            rt.register_kv(self.kv_name, self.cache, self.resident_bytes, self.release_pages, lambda: not self.dirty)
 
     # -- open / restore -------------------------------------------------------------------------
     @classmethod
     def open(cls, rt, name: str, checkpoint_every: Optional[int] = CHECKPOINT_EVERY) -> "Session":
         """Resume the named session from its manifest, or start it empty."""
         check_name(name)
+        acquire_lock(rt.home, name)  # issue 15: one writer process per session (statetrans/lock.py)
+        try:
+            return cls._open(rt, name, checkpoint_every)
+        except BaseException:
+            release_lock(rt.home, name)
+            raise
+
+    @classmethod
+    def _open(cls, rt, name: str, checkpoint_every: Optional[int]) -> "Session":
         start = time.perf_counter()
-        m = read_manifest(rt.home, name)
+        m = read_manifest(rt.home, name, vocab_size(rt.model))  # issue 15: S.prev.json fallback, ids checked
         if m is None:
             return cls(rt, name, checkpoint_every=checkpoint_every)
         index = rt.index
@@ -89,6 +104,32 @@ class Session:
             warn(f"session {self.name!r}: the open page is unusable ({e}); recomputing {m} tokens")
             return
         self.seq.append_restored(kinds, loaders, n_tokens=m)
+
+    def resident_bytes(self) -> int:
+        """Bytes of this session's pages held in memory now (lazily restored pages count once loaded)."""
+        pool, mine = self.seq.pool, set(self.seq.table)
+        return sum(p.nbytes for layer in pool.records for pid, p in layer.items() if pid in mine)
+
+    def release_pages(self) -> int:
+        """Swap this session's pages that are safe in the store for lazy loaders, freeing their memory
+        (PhaseSwap's tool phase calls this after a checkpoint); they reload on first use. Bytes freed."""
+        before, P = self.resident_bytes(), self.index.page_size
+        hashes = self.index.hashes(self.tokens[:self.kv_tokens])
+        swaps = [(pid, hashes[i], None) for i, pid in enumerate(self.seq.table[:len(hashes)])]
+        op = self.index.open_page(self.seq, self.tokens)
+        if op is not None:
+            swaps.append((self.seq.table[self.kv_tokens // P], op[0], P))
+        for pid, h, pad in swaps:
+            if not self.index.store.has(h):
+                continue
+            try:
+                kinds, loaders = page_loaders(self.index.store.open(h, self.index.checksums.get(h)),
+                                              self.index.pool.n_layers, pad_to=pad)
+            except (CorruptPage, ValueError, KeyError, OSError):
+                continue  # keep it in memory
+            for layer, (kind, load) in enumerate(zip(kinds, loaders)):
+                self.index.pool.put(layer, pid, Page(kind, loader=load))
+        return before - self.resident_bytes()
 
     @property
     def kv_tokens(self) -> int:
@@ -144,7 +185,7 @@ class Session:
     def _delta(self, prompt):
         """(new token ids, new messages) for a turn; raw token ids pass through unchanged."""
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt), []
+            return check_token_ids(list(prompt), vocab_size(self.rt.model)), []  # refused before it joins
         if isinstance(prompt, str):
             msgs = [{"role": "user", "content": prompt}]
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
@@ -212,7 +253,7 @@ class Session:
         """Append raw token ids to the history without generating (their K/V come with the next turn or
         prefill())."""
         self._check_open()
-        check_tokens(list(tokens), vocab_size(self.rt.model))
+        check_token_ids(list(tokens), vocab_size(self.rt.model))
         self.tokens += list(tokens)
         self.dirty = True
 
@@ -307,7 +348,10 @@ class Session:
         if self.dirty:
             self.checkpoint(auto=True)
         self.seq.release()
+        if self.kv_name:
+            self.rt.unregister_kv(self.kv_name)
         self.closed = True
+        release_lock(self.rt.home, self.name)  # issue 15
 
     def _check_open(self):
         if self.closed:

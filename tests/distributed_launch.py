@@ -1,0 +1,37 @@
+"""Run a command as N ranks with `mlx.launch --backend ring` on loopback, bounded by a timeout."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+from justfit.distributed.launch import free_port, launch_command, launcher, why_not  # noqa: F401 (re-exported)
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def env(**extra) -> dict:
+    """The test environment: the worktree and tests importable, the launch variables of an outer run removed."""
+    e = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "MLX_HOSTFILE", "JUSTFIT_SHARDING")}
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "agents"), str(ROOT / "tests")])
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def launch(n: int, args: List[str], timeout: float, **extra_env) -> subprocess.CompletedProcess:
+    """`python ARGS` as N ring ranks under mlx.launch (N == 1: the plain process), bounded by `timeout`."""
+    cmd = [sys.executable, *map(str, args)]
+    if n > 1:
+        cmd = launch_command(n, cmd, extra_env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(**extra_env))
+
+
+def last_json(r: subprocess.CompletedProcess) -> dict:
+    """The JSON line rank 0 printed; fails the test with both streams when there is none."""
+    import json
+
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    assert r.returncode == 0 and len(lines) == 1, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
+    return json.loads(lines[0])

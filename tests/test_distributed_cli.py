@@ -1,0 +1,90 @@
+"""`mlx.launch -n 2 -- justfit chat --prompt ...`: rank 0 prints the reply once, the follower prints
+nothing; a rank killed mid-reply stops the whole run (no hang) and the launch says which rank died."""
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from distributed_launch import env, free_port, launch, launcher, why_not
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from statetrans_util import tiny_model_folder
+
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-cli"), layers=4)
+
+
+def _skip_without_launch():
+    reason = why_not()
+    if reason:
+        pytest.skip(reason)
+
+
+def _chat(folder, n_tokens):
+    return ["-m", "justfit", "chat", "--model", str(folder), "--prompt", "hello there", "--max-tokens", str(n_tokens),
+            "--kv-bits", "16"]
+
+
+@pytest.mark.slow
+def test_chat_two_ranks_prints_once_like_one_process(tiny_folder, tmp_path):
+    _skip_without_launch()
+    one = launch(1, _chat(tiny_folder, 8), timeout=120, JUSTFIT_HOME=tmp_path / "h1")
+    two = launch(2, _chat(tiny_folder, 8), timeout=240, JUSTFIT_HOME=tmp_path / "h2")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert one.stdout.strip() and two.stdout == one.stdout  # printed once, same reply
+
+
+def _rank_process(parent: psutil.Process, rank: str, deadline: float):
+    while time.time() < deadline:
+        for p in parent.children(recursive=True):
+            try:
+                if p.environ().get("MLX_RANK") == rank and "python" in p.name():
+                    return p
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.2)
+    return None
+
+
+def test_dead_rank_stops_the_run_without_hanging(tiny_folder, tmp_path):
+    _skip_without_launch()
+    cmd = [launcher(), "-n", "2", "--backend", "ring", "-p", str(free_port()), "--python", sys.executable, "--",
+           *_chat(tiny_folder, 100000)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(JUSTFIT_HOME=tmp_path / "h", PYTHONUNBUFFERED=1))
+    printed = []
+    threading.Thread(target=lambda: printed.append(proc.stdout.read(1)), daemon=True).start()
+    try:
+        follower = _rank_process(psutil.Process(proc.pid), "1", time.time() + 60)
+        assert follower is not None, "rank 1 never started"
+        deadline = time.time() + 300
+        while not printed and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)  # wait for the first streamed text: the reply is under way (100000 tokens: hours)
+        assert printed and proc.poll() is None, f"no reply started: {proc.poll()}"
+        follower.send_signal(signal.SIGKILL)
+        start = time.time()
+        _, err = proc.communicate(timeout=90)  # a hang fails here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert time.time() - start < 90
+    assert "rank 1" in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_followers_run_what_rank_0_leads(tiny_folder, tmp_path):
+    """The server's way: only rank 0 sees requests; it broadcasts each, the follower runs the same turn."""
+    _skip_without_launch()
+    from distributed_launch import WORKER, last_json
+
+    args = [WORKER, "follow", tiny_folder, tmp_path / "home", 16, 6, "tell me a story"]
+    one = last_json(launch(1, args, timeout=120))
+    two = last_json(launch(2, args, timeout=240))
+    assert len(one["tokens"]) == 2 and two["tokens"] == one["tokens"]
+    assert [r["sharding"]["kind"] for r in two["ranks"]] == ["tensor", "tensor"]
