@@ -45,6 +45,7 @@ class Runtime:
         self.drafter, self.gate = make_drafter(self.phaseswap, self.tokenizer, self.home, draft_model, drafter)
         self.index = make_index(self.model, self.tokenizer, self.kv, self.home)
         self.last_stats = TurnStats()
+        self.scheduler = None  # batching (scheduler): the Engine, made on first use by batch_engine()
 
     # -- tokens -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, add_generation_prompt: bool = True) -> List[int]:
@@ -155,3 +156,36 @@ class Runtime:
         reload_s = prefill(self.model, cache, tokens, self.phaseswap, progress, after_chunk=after_chunk, **kwargs)
         self.phaseswap.enter("idle")
         return reload_s
+
+    # -- batching (scheduler) --------------------------------------------------------------------
+    def batch_engine(self, kv_budget_bytes: Optional[int] = None, **options):
+        """The continuous-batching engine (scheduler.Engine) over this runtime's model and page pool,
+        made on first use; kv_budget_bytes bounds its KV pages (default: the memory budget less the
+        weights). Options (step_tokens, max_batch) apply when it is made."""
+        if self.scheduler is None:
+            from mlx.utils import tree_flatten
+
+            from .scheduler import Engine
+
+            if kv_budget_bytes is None and self.memory_budget is not None:
+                weights = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+                kv_budget_bytes = max(1, self.memory_budget - weights)
+            self.scheduler = Engine(self.model, self.tokenizer, self.make_cache, index=self.index, kv=self.kv,
+                                    budget_bytes=kv_budget_bytes, residency=self.phaseswap, **options)
+        return self.scheduler
+
+    def submit(self, prompt: Prompt, max_tokens: int = 256, **sampling):
+        """Queue one request to run batched with others: iterate it for Chunks, `req.cancel()`,
+        `req.result()` -> Generation. Sampling options as for generate (temperature, seed, top_p, stop...)."""
+        return self.batch_engine().submit(self.encode(prompt), max_tokens, **sampling)
+
+    def generate_batch(self, prompts: List[Prompt], max_tokens: int = 256, **sampling) -> List[Generation]:
+        """Generate replies to several prompts in one continuous batch; Generations in prompt order."""
+        reqs = [self.submit(p, max_tokens, **sampling) for p in prompts]
+        return self.batch_engine().run(reqs)
+
+    def submit_async(self, prompt: Prompt, max_tokens: int = 256, **sampling):
+        """asyncio form of submit: `async for chunk in req`, `await req.result()`, `req.cancel()`."""
+        from .scheduler import AsyncRequest
+
+        return AsyncRequest(self.submit(prompt, max_tokens, **sampling))

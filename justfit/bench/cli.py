@@ -5,6 +5,7 @@ import typer
 app = typer.Typer(help="Benchmarks against mlx-lm in the same process. --json prints one JSON object.", no_args_is_help=True)
 
 from .agent import agent  # noqa: E402
+from .batch import batch  # noqa: E402
 from .kv import kv  # noqa: E402
 from .phases import phases  # noqa: E402
 from .scale import scale  # noqa: E402
@@ -15,5 +16,6 @@ app.command("kv")(kv)
 app.command("sessions")(sessions)
 app.command("phases")(phases)
 app.command("agent")(agent)
+app.command("batch")(batch)
 app.command("serve")(serve)
 app.command("scale")(scale)

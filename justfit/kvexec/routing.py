@@ -11,6 +11,7 @@ import inspect
 import sys
 
 from .attention import paged_attention
+from .batch import BatchKV, batch_attention
 from .cache import PagedKV
 
 NAME = "scaled_dot_product_attention"
@@ -20,9 +21,11 @@ def _dispatcher(original):
     signature = inspect.signature(original)
 
     def scaled_dot_product_attention(queries, keys, values, *args, **kwargs):
-        if not isinstance(keys, PagedKV):
+        if not isinstance(keys, (PagedKV, BatchKV)):
             return original(queries, keys, values, *args, **kwargs)
         a = signature.bind(queries, keys, values, *args, **kwargs).arguments
+        if isinstance(keys, BatchKV):  # -- batching (scheduler): B sequences in one call, kvexec/batch.py
+            return batch_attention(queries, keys.layer, a["scale"], a.get("sinks"))
         return paged_attention(queries, keys.cache, a["scale"], a.get("mask"), a.get("sinks"))
 
     scaled_dot_product_attention.kvexec_original = original

@@ -1,0 +1,234 @@
+"""`justfit bench batch`: many requests on one model, JustFit's batching scheduler vs mlx-lm's BatchGenerator.
+
+Workload: `concurrency` requests submitted at once, each `prompt_tokens` random token ids of which the first
+`shared` are one system prefix common to all (fresh random tokens every round, so no system starts warm),
+`gen` greedy tokens each with end-of-turn ids ignored (every request generates exactly `gen`). Systems run
+in the same process on the same model and inputs, alternating order every round: `justfit` (scheduler.Engine,
+default KV config, paged pool + prefix index in a temporary home) and `mlx-lm-batch` (BatchGenerator, its own
+left-padded KVCache per row). Timing rows are medians over rounds with min and max.
+Capacity rows: how many concurrent sequences of `capacity_tokens` tokens (and how many cached positions)
+each system's KV layout holds under `budget` bytes; JustFit's arithmetic is checked against the pool bytes
+of a real sequence.
+"""
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import typer
+
+
+def _log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def _timings(t0, token_times):
+    """throughput-independent latency fields from per-request token timestamps."""
+    ttft = [ts[0] - t0 for ts in token_times if ts]
+    itl = [b - a for ts in token_times for a, b in zip(ts, ts[1:])]
+    return {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+            "itl_p50_s": _pct(itl, 0.5), "itl_p99_s": _pct(itl, 0.99)}
+
+
+def _prompts(rng, concurrency, prompt_tokens, shared, vocab):
+    prefix = [rng.randrange(1000, vocab) for _ in range(shared)]
+    return [prefix + [rng.randrange(1000, vocab) for _ in range(prompt_tokens - shared)] for _ in range(concurrency)]
+
+
+def run_justfit(model, tokenizer, kv, home, prompts, gen):
+    """All prompts submitted at once to a fresh Engine over a fresh pool and prefix index."""
+    import mlx.core as mx
+
+    from justfit.scheduler import Engine
+    from justfit.statetrans.index import make_index
+
+    index = make_index(model, tokenizer, kv, home)
+    from justfit.kvexec import make_cache
+
+    eng = Engine(model, tokenizer, lambda: make_cache(model, kv, pool=index.pool), index=index, kv=kv, eos=set())
+    mx.synchronize()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    reqs = [eng.submit(p, max_tokens=gen) for p in prompts]
+    eng.run(reqs)
+    wall = time.perf_counter() - t0
+    row = {"throughput_tok_s": sum(len(r.out) for r in reqs) / wall, "peak_memory_bytes": mx.get_peak_memory(),
+           "prefilled_tokens": sum(r.stats.prefilled_tokens for r in reqs), "generated_tokens": sum(len(r.out) for r in reqs),
+           "kv_bytes": index.pool.nbytes, "wall_s": wall}
+    row.update(_timings(t0, [r.token_times for r in reqs]))
+    return row
+
+
+def run_mlx_lm(model, prompts, gen):
+    """mlx-lm's BatchGenerator (no stop tokens: exactly `gen` tokens each), all prompts inserted at once."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    mx.synchronize()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    bg = BatchGenerator(model, max_tokens=gen, completion_batch_size=max(32, len(prompts)),
+                        prefill_batch_size=max(8, len(prompts)))
+    uids = bg.insert(prompts, [gen] * len(prompts))
+    times = {u: [] for u in uids}
+    left = set(uids)
+    with bg.stats() as stats:
+        while left:
+            for r in bg.next_generated():
+                times[r.uid].append(time.perf_counter())
+                if r.finish_reason is not None:
+                    left.discard(r.uid)
+    wall = time.perf_counter() - t0
+    bg.close()
+    row = {"throughput_tok_s": sum(map(len, times.values())) / wall, "peak_memory_bytes": mx.get_peak_memory(),
+           "prefilled_tokens": int(stats.prompt_tokens), "generated_tokens": sum(map(len, times.values())),
+           "wall_s": wall}
+    row.update(_timings(t0, list(times.values())))
+    return row
+
+
+def capacity_rows(model, tokenizer, kv, home, budget, tokens):
+    """Concurrent `tokens`-token sequences and cached positions each KV layout holds under `budget` bytes."""
+    import mlx.core as mx
+
+    from justfit.kvexec import make_cache
+    from justfit.scheduler import Engine
+    from justfit.statetrans.index import make_index
+
+    index = make_index(model, tokenizer, kv, home)
+    eng = Engine(model, tokenizer, lambda: make_cache(model, kv, pool=index.pool), index=index, kv=kv)
+    check = 3 * kv.page_size + kv.page_size // 2  # a real sequence: first page fp, sealed q pages, open page
+    c = make_cache(model, kv, pool=index.pool)
+    model(mx.array([list(range(1000, 1000 + check))]), cache=c)
+    mx.eval([x.state for x in c])
+    measured, predicted = index.pool.nbytes, eng._seq_bytes(check)
+    per_seq = eng._worst_bytes(tokens)
+    a = model.args
+    heads = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
+    dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    layers = len(model.layers) if hasattr(model, "layers") else a.num_hidden_layers
+    step = 256  # mlx-lm KVCache grows in steps of 256 positions, float32 on CPU
+    mlx_per_seq = 2 * layers * heads * dim * 4 * (-(-tokens // step) * step)
+    rows = []
+    for name, each in (("justfit", per_seq), ("mlx-lm-batch", mlx_per_seq)):
+        n = budget // each
+        rows.append({"system": name, "budget_bytes": budget, "context": tokens, "concurrency": int(n),
+                     "capacity_positions": int(n * tokens), "kv_bytes_per_sequence": int(each)})
+    return rows, {"measured_bytes": int(measured), "predicted_bytes": int(predicted), "tokens": check}
+
+
+def run(model_spec, concurrencies, prompt_tokens, shared, gen, rounds, budget, capacity_tokens, systems):
+    import random
+
+    import mlx.core as mx
+    import mlx_lm
+
+    import justfit
+    from justfit.config import KVConfig
+    from justfit.kvexec.kernels import backend
+    from justfit.models import load
+
+    model, tokenizer = load(model_spec)
+    kv = KVConfig()
+    vocab = int(model.args.vocab_size)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="justfit-bench-batch-") as tmp:
+        home = Path(tmp)
+        rng = random.Random(0)
+        _log("batch: warm-up")
+        warm = _prompts(rng, 2, 64, 32, vocab)
+        run_justfit(model, tokenizer, kv, home / "warm", warm, 4)
+        run_mlx_lm(model, warm, 4)
+        for conc in concurrencies:
+            samples = {s: [] for s in systems}
+            for i in range(rounds):
+                prompts = _prompts(rng, conc, prompt_tokens, min(shared, prompt_tokens - 1), vocab)
+                order = systems if i % 2 == 0 else systems[::-1]
+                for s in order:
+                    if s == "justfit":
+                        r = run_justfit(model, tokenizer, kv, home / f"r{conc}-{i}", prompts, gen)
+                    else:
+                        r = run_mlx_lm(model, prompts, gen)
+                    samples[s].append(r)
+                    _log(f"batch: {s} c={conc} round {i + 1}: {r['throughput_tok_s']:.1f} tok/s, ttft p50 "
+                         f"{r['ttft_p50_s']:.2f}s, itl p50 {r['itl_p50_s'] * 1e3:.0f} ms, prefilled {r['prefilled_tokens']}, "
+                         f"peak {r['peak_memory_bytes'] / 2**20:.0f} MiB")
+            for s in systems:
+                rows.append(_median_row(s, conc, prompt_tokens, shared, gen, samples[s]))
+        capacity, check = capacity_rows(model, tokenizer, kv, home / "cap", budget, capacity_tokens)
+    return {
+        "bench": "batch", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
+        "versions": {"justfit": justfit.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
+        "kv": kv.name,
+        "notes": {
+            "workload": f"{prompt_tokens}-token random-id prompts sharing a {shared}-token prefix (fresh each round), "
+                        f"{gen} greedy tokens each, end-of-turn ignored; all requests submitted at once",
+            "throughput_tok_s": "generated tokens / wall time from submission to the last token",
+            "peak_memory_bytes": "mx.get_peak_memory() over the run: weights + KV + workspace",
+            "capacity": "layout arithmetic under budget_bytes (KV only); justfit's page arithmetic checked "
+                        f"against the pool bytes of a real {check['tokens']}-token sequence: predicted "
+                        f"{check['predicted_bytes']}, measured {check['measured_bytes']}",
+        },
+        "rows": rows + capacity,
+    }
+
+
+def _median_row(system, conc, prompt_tokens, shared, gen, samples):
+    row = {"system": system, "concurrency": conc, "prompt_tokens": prompt_tokens, "shared_prefix_tokens": shared,
+           "gen_tokens": gen, "rounds": len(samples)}
+    for key in ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_memory_bytes",
+                "prefilled_tokens"):
+        xs = [s[key] for s in samples]
+        row[key] = statistics.median(xs)
+        row[f"{key}_min"], row[f"{key}_max"] = min(xs), max(xs)
+    return row
+
+
+SYSTEMS = ("justfit", "mlx-lm-batch")
+
+
+def batch(
+    concurrency: str = typer.Option("1,4,8", "--concurrency", help="Comma-separated numbers of concurrent requests."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Tokens per prompt."),
+    shared: int = typer.Option(256, "--shared", help="Tokens of the prefix all prompts share."),
+    gen: int = typer.Option(128, "--gen", help="Generated tokens per request."),
+    rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds per concurrency (median reported)."),
+    budget: str = typer.Option("512MiB", "--budget", help="KV budget for the capacity rows."),
+    capacity_tokens: int = typer.Option(4096, "--capacity-tokens", help="Sequence length for the capacity rows."),
+    systems: str = typer.Option(",".join(SYSTEMS), "--systems", help="Comma-separated systems to run."),
+    model: str = typer.Option("default", "--model", help="Model spec, as for justfit chat."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+):
+    """Continuous batching: JustFit's scheduler vs mlx-lm's BatchGenerator (throughput, TTFT, ITL, memory, capacity)."""
+    from justfit.errors import UserError
+    from justfit.phaseswap.budget import parse_budget
+
+    try:
+        concs = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise UserError(f"--concurrency must be comma-separated integers, not {concurrency!r}") from None
+    names = tuple(s.strip() for s in systems.split(",") if s.strip())
+    if not concs or any(c < 1 for c in concs) or not names or any(n not in SYSTEMS for n in names):
+        raise UserError(f"--concurrency must be positive and --systems among {', '.join(SYSTEMS)}")
+    if prompt_tokens < 2 or gen < 1 or rounds < 1 or not 0 <= shared < prompt_tokens:
+        raise UserError("--prompt-tokens >= 2, --gen >= 1, --rounds >= 1 and 0 <= --shared < --prompt-tokens")
+    result = run(model, concs, prompt_tokens, shared, gen, rounds, parse_budget(budget), capacity_tokens, names)
+    if json_out:
+        print(json.dumps(result))
+        return
+    for r in result["rows"]:
+        if "capacity_positions" in r:
+            print(f"{r['system']:14s} capacity under {r['budget_bytes'] / 2**20:.0f} MiB: {r['concurrency']} x "
+                  f"{r['context']} tokens = {r['capacity_positions']} positions")
+        else:
+            print(f"{r['system']:14s} c={r['concurrency']:3d}  {r['throughput_tok_s']:7.1f} tok/s  ttft p50 "
+                  f"{r['ttft_p50_s']:.2f}s  itl p50 {r['itl_p50_s'] * 1e3:.0f} ms  peak "
+                  f"{r['peak_memory_bytes'] / 2**20:.0f} MiB  prefilled {r['prefilled_tokens']}")

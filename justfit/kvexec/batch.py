@@ -1,0 +1,194 @@
+"""Batched paged attention: one forward pass over B sequences of different lengths, each through its own
+page table, with no padding and no copies of a finished sequence's KV.
+
+Layout: every token of the step is a batch row of its own ([T, 1] input ids), so mlx-lm's model code runs
+unchanged and RoPE gets one position per row (`BatchLayer.offset` is an array; `mx.fast.rope` takes one).
+A `BatchPlan` lists the step's segments (a sequence's per-layer caches and how many rows it owns: 1 for a
+decode, a chunk for a prefill). Each layer's `update_and_fetch` writes every segment's K/V into that
+sequence's own pages (kvexec/cache.py) and returns `BatchKV` handles; the attention dispatcher
+(routing.py) then calls `batch_attention`: prefill segments run the single-sequence bounded-workspace
+paged attention on their own pages; all decode segments run together (`_decode_batch`), key run by key run
+over their stacked pages with an online softmax, so the workspace stays bounded by `RUN_ELEMENTS`.
+A row only ever reads pages of its own sequence's table.
+"""
+
+from typing import List, Sequence as Seq
+
+import mlx.core as mx
+
+from .attention import RUN_ELEMENTS, paged_attention
+from .cache import PagedKVCache
+from .pages import QUANT
+
+
+class BatchPlan:
+    """One step's rows: segments [(per-layer caches of one sequence, rows)], in row order."""
+
+    def __init__(self, segments: List[tuple]):
+        self.segments = [(caches, n) for caches, n in segments if n > 0]
+        first = [c[0].offset for c, _ in self.segments]
+        self.positions = mx.array([s + i for s, (_, n) in zip(first, self.segments) for i in range(n)])
+        self.rows = sum(n for _, n in self.segments)
+        n_layers = len(self.segments[0][0]) if self.segments else 0
+        self.layers = [BatchLayer(self, i) for i in range(n_layers)]
+
+    def last_rows(self) -> List[int]:
+        """Row index of each segment's last token (where its next-token logits are)."""
+        out, r = [], 0
+        for _, n in self.segments:
+            r += n
+            out.append(r - 1)
+        return out
+
+
+class BatchKV:
+    """Handle standing for one layer's batched keys or values (recognized by the attention dispatcher)."""
+
+    def __init__(self, layer: "BatchLayer"):
+        self.layer = layer
+
+
+class BatchLayer:
+    """One layer of a BatchPlan, speaking mlx-lm's cache protocol as far as the model needs it."""
+
+    def __init__(self, plan: BatchPlan, layer: int):
+        self.plan, self.layer = plan, layer
+
+    @property
+    def offset(self):
+        return self.plan.positions  # one RoPE position per row
+
+    def update_and_fetch(self, keys, values):
+        r = 0
+        for caches, n in self.plan.segments:
+            k = keys[r : r + n, :, 0].transpose(1, 0, 2)[None]
+            v = values[r : r + n, :, 0].transpose(1, 0, 2)[None]
+            caches[self.layer].update_and_fetch(k, v)
+            r += n
+        return BatchKV(self), BatchKV(self)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        return None  # each segment is causal over its own pages (batch_attention)
+
+    def is_trimmable(self):
+        return False
+
+    def empty(self):
+        return False
+
+
+def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
+    """queries [T, Hq, 1, D] (one row per token) -> [T, Hq, 1, Dv], each row over its own sequence's pages."""
+    out, decode, r = [], [], 0
+    for caches, n in layer.plan.segments:
+        cache = caches[layer.layer]
+        if n == 1 and cache.window is None and sinks is None and not cache.dense:
+            decode.append((len(out), r, cache))
+            out.append(None)
+        else:
+            q = queries[r : r + n, :, 0].transpose(1, 0, 2)[None]
+            o = paged_attention(q, cache, scale, "causal" if n > 1 else None, sinks)
+            out.append(o[0].transpose(1, 0, 2)[:, :, None])
+        r += n
+    if decode:
+        rows = mx.array([r for _, r, _ in decode])
+        o = _decode_batch(queries[rows, :, 0], [c for _, _, c in decode], scale)
+        for j, (slot, _, _) in enumerate(decode):
+            out[slot] = o[j][:, None][None]
+    o = out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
+    return o.astype(queries.dtype)
+
+
+def _split_pages(cache: PagedKVCache):
+    """A decode query sees every key of its sequence, in any order: (float pages, quantized pages)."""
+    fp, q = [], []
+    for _, n, page in cache.pages():
+        (q if page.kind == QUANT else fp).append((n, page))
+    return fp, q
+
+
+def _decode_batch(q, caches: Seq[PagedKVCache], scale: float):
+    """One query per sequence, q [B, Hq, D] -> [B, Hq, Dv]: pages of each kind stacked per key run (short
+    sequences padded and masked), scored on their stored format, merged with an online softmax."""
+    B, Hq, D = q.shape
+    c0 = caches[0]
+    H, P = c0.n_kv_heads, c0.seq.page_size
+    rep = Hq // H
+    qf = (q.astype(mx.float32) * scale).reshape(B * H, rep, D)
+    split = [_split_pages(c) for c in caches]
+    m = mx.full((B * H, rep, 1), -float("inf"))
+    l = mx.zeros((B * H, rep, 1))
+    acc = []
+    run_pages = max(1, RUN_ELEMENTS // (B * Hq * P))
+    for kind in (0, 1):
+        lists = [s[kind] for s in split]
+        most = max(len(x) for x in lists)
+        if most == 0:
+            continue
+        ck, cv = c0.full if kind == 0 else c0.codecs
+        qc = ck.prepare(qf)
+        o = None
+        for p0 in range(0, most, run_pages):
+            kparts, vparts, valid = _stack_run(lists, p0, min(most, p0 + run_pages), P)
+            s = ck.scores(qc, kparts).astype(mx.float32)  # [B*H, rep, T]
+            s = mx.where(valid, s, -float("inf"))
+            m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
+            m_safe = mx.where(m_new == -float("inf"), 0.0, m_new)
+            p = mx.exp(s - m_safe)
+            alpha = mx.exp(m - m_safe)
+            l = l * alpha + p.sum(axis=-1, keepdims=True)
+            acc = [(c, a * alpha) for c, a in acc]
+            o = cv.mix(p, vparts) if o is None else o * alpha + cv.mix(p, vparts)
+            m = m_new
+        acc.append((cv, o))
+    out = None
+    for cv, a in acc:
+        out = cv.finish(a) if out is None else out + cv.finish(a)
+    out = out / mx.maximum(l, 1e-30)
+    return out.reshape(B, Hq, -1)
+
+
+def _stack_run(lists, p0: int, p1: int, P: int):
+    """Pages p0..p1 of each sequence's list (partial pages cut to their tokens), zero-padded to one length
+    and stacked [B*H, T, ...]; `valid` [B*H, 1, T] masks the padding. Only a row's own pages are read."""
+    T = (p1 - p0) * P
+    template = next(x[p0][1].parts() for x in lists if len(x) > p0)
+    ks, vs, counts = [], [], []
+    for pages in lists:
+        run = pages[p0:p1]
+        counts.append(sum(n for n, _ in run))
+        for w, out in ((0, ks), (1, vs)):
+            parts = [tuple(a[:, :n] for a in page.parts()[w]) for n, page in run]
+            out.append(_cat(parts, template[w], counts[-1], T))
+    H = template[0][0].shape[0]
+    kparts = tuple(mx.stack(col).reshape(-1, *col[0].shape[1:]) for col in zip(*ks))
+    vparts = tuple(mx.stack(col).reshape(-1, *col[0].shape[1:]) for col in zip(*vs))
+    valid = mx.arange(T)[None] < mx.array(counts)[:, None]
+    valid = mx.broadcast_to(valid[:, None, None, :], (len(lists), H, 1, T))
+    return kparts, vparts, valid.reshape(len(lists) * H, 1, T)
+
+
+def _cat(parts_list, template, n: int, T: int):
+    """One sequence's page parts concatenated along tokens and zero-padded to T tokens."""
+    if not parts_list:
+        return tuple(mx.zeros((z.shape[0], T, *z.shape[2:]), z.dtype) for z in template)
+    cols = [mx.concatenate(list(c), axis=1) if len(c) > 1 else c[0] for c in zip(*parts_list)]
+    if n == T:
+        return tuple(cols)
+    return tuple(mx.pad(c, [(0, 0), (0, T - n)] + [(0, 0)] * (c.ndim - 2)) for c in cols)
+
+
+def forward(model, plan: BatchPlan, tokens: Seq[int]):
+    """Logits [segments, vocab] at each segment's last row after one forward pass over the plan's rows."""
+    inputs = mx.array(list(tokens))[:, None]
+    rows = mx.array(plan.last_rows())
+    inner, args = getattr(model, "model", None), getattr(model, "args", None)
+    if inner is not None and type(model).__module__.rsplit(".", 1)[-1] in _HEAD_MODELS:
+        h = inner(inputs, cache=plan.layers)[rows]  # only the rows that are sampled reach the LM head
+        if getattr(args, "tie_word_embeddings", False):
+            return inner.embed_tokens.as_linear(h)[:, -1]
+        return model.lm_head(h)[:, -1]
+    return model(inputs, cache=plan.layers)[rows, -1]
+
+
+_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3")  # model(x) == head(model.model(x)), nothing else

@@ -1,0 +1,446 @@
+"""Continuous batching: a queue of requests, admission under a KV memory budget, one batched forward pass
+per step (decode tokens of running sequences plus prefill chunks under a per-step token budget), and
+preemption through StateTrans when memory runs out.
+
+Every request keeps one list `feed`: its prompt followed by the tokens it generated. Its sequence (paged
+KV over the runtime's shared pool) holds `feed[:cached]`; each step feeds the next piece (a prefill chunk,
+or the one token sampled last step) and, when that piece reaches the end of `feed`, samples the next
+token from the piece's last row. Decode, chunked prefill, forced grammar tokens and resuming a preempted
+request are the same operation. Prefixes are shared through the runtime's prefix index (statetrans): a
+request whose prefix another admitted request is still computing waits for its pages instead of
+prefilling them twice. Sampling and stop strings are generation.py's (`Sampling`, `StopText`).
+"""
+
+import itertools
+import threading
+import time
+from collections import deque
+from typing import Callable, Dict, Iterator, List, Optional
+
+from .errors import MemoryBudgetError, UserError
+from .generation import Sampling, StopText
+from .models.vocab import check_token_ids, vocab_size
+from .turns import Chunk, Generation, TurnStats
+
+STEP_TOKENS = 512  # rows of one forward pass: decoders first, prefill chunks fill the rest
+MAX_BATCH = 64  # sequences running at once
+QUEUED, WAITING, RUNNING, DONE = "queued", "waiting", "running", "done"
+
+
+class Request:
+    """One submitted generation: iterate it for Chunks (this drives the engine), `cancel()` to stop it."""
+
+    def __init__(self, engine: "Engine", rid: int, prompt: List[int], max_tokens: int, sampling: Sampling):
+        self.engine, self.id, self.prompt = engine, rid, list(prompt)
+        self.max_tokens, self.sampling = max_tokens, sampling
+        self.feed: List[int] = list(prompt)  # prompt + generated tokens (what the KV must hold, in order)
+        self.out: List[int] = []  # generated tokens
+        self.caches: Optional[list] = None  # per-layer paged caches while admitted
+        self.cached = 0  # feed[:cached] is in the caches
+        self.state, self.finish_reason = QUEUED, None
+        self.chunks: deque = deque()
+        self.text: List[str] = []
+        self.stats = TurnStats(prompt_tokens=len(prompt))
+        self.submitted = self.admitted = time.perf_counter()
+        self.token_times: List[float] = []
+        self.preemptions = 0
+        self.restored_tokens = 0  # after preemptions: tokens whose pages came back instead of recomputed
+        self._detok = engine.tokenizer.detokenizer
+        self._stops = StopText(sampling.stop)
+        self._sample = sampling.sampler()
+        self._processors = sampling.processors()
+
+    # -- consuming ---------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        while True:
+            if self.chunks:
+                return self.chunks.popleft()
+            if self.state == DONE:
+                raise StopIteration
+            self.engine.step()
+
+    def cancel(self):
+        """Stop now: private pages are freed at once; pages shared with the prefix index stay for reuse."""
+        self.engine.cancel(self)
+
+    def result(self) -> Generation:
+        """Run to the end and return the Generation (text, tokens, stats)."""
+        for _ in self:
+            pass
+        return Generation("".join(self.text), list(self.out), self.stats)
+
+    @property
+    def done(self) -> bool:
+        return self.state == DONE
+
+    # -- engine side -------------------------------------------------------------------------------
+    def _emit(self, text: str, token: int):
+        if text or token >= 0:
+            self.text.append(text)
+            self.chunks.append(Chunk(text, token))
+
+
+class Engine:
+    """The step loop over one model and one page pool; fronts (Runtime.submit, the server) submit to it."""
+
+    def __init__(self, model, tokenizer, make_cache: Callable[[], list], index=None, kv=None,
+                 budget_bytes: Optional[int] = None, step_tokens: int = STEP_TOKENS, max_batch: int = MAX_BATCH,
+                 context: Optional[int] = None, residency=None, eos: Optional[set] = None):
+        self.model, self.tokenizer, self.make_cache, self.index = model, tokenizer, make_cache, index
+        self.kv, self.budget_bytes = kv, budget_bytes
+        self.step_tokens, self.max_batch, self.residency = step_tokens, max_batch, residency
+        args = getattr(model, "args", None)
+        self.context = context or getattr(args, "max_position_embeddings", None) or 1 << 20
+        self.vocab = vocab_size(model)
+        self.eos = set(getattr(tokenizer, "eos_token_ids", ()) or ()) if eos is None else set(eos)  # stop ids
+        self.queue: deque = deque()  # QUEUED / WAITING requests, oldest first (preempted ones at the front)
+        self.running: List[Request] = []  # admitted, oldest first
+        self.lock = threading.RLock()
+        self.steps = 0
+        self.preempted = 0
+        self._ids = itertools.count()
+        self.page_bytes = _page_bytes(model, kv) if kv is not None else None
+        self._executor = None
+        self.pool = index.pool if index is not None else None  # set from the first cache otherwise
+
+    # -- requests ----------------------------------------------------------------------------------
+    def submit(self, tokens: List[int], max_tokens: int = 256, **sampling) -> Request:
+        """Queue a request; bad requests raise UserError here and never touch the running batch."""
+        tokens = list(tokens)
+        if not tokens:
+            raise UserError("the prompt is empty: give at least one token")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise UserError(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
+        tokens = check_token_ids(tokens, self.vocab)
+        if len(tokens) + max_tokens > self.context:
+            raise UserError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                            f"context of {self.context} tokens")
+        need = self._worst_bytes(len(tokens) + max_tokens)
+        if self.budget_bytes is not None and need > self.budget_bytes:
+            raise MemoryBudgetError(f"one request of {len(tokens) + max_tokens} tokens needs {need} bytes of KV, "
+                                    f"more than the budget of {self.budget_bytes}")
+        req = Request(self, next(self._ids), tokens, max_tokens, Sampling(**sampling))
+        with self.lock:
+            self.queue.append(req)
+        return req
+
+    def cancel(self, req: Request):
+        with self.lock:
+            if req.state == DONE:
+                return
+            if req in self.queue:
+                self.queue.remove(req)
+            self._finish(req, "cancelled", publish=False)
+
+    def executor(self):
+        """The single worker thread async callers step the engine on (all of their MLX work on one thread)."""
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="justfit-engine")
+        return self._executor
+
+    def idle(self) -> bool:
+        return not self.queue and not self.running
+
+    def run(self, requests: List[Request]) -> List[Generation]:
+        """Step until every request is done; their Generations in order."""
+        while not all(r.done for r in requests):
+            self.step()
+        return [r.result() for r in requests]
+
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self) -> int:
+        """Admit, assemble and run one batched forward pass, sample, emit. Returns rows computed."""
+        from .kvexec.batch import BatchPlan, forward
+        import mlx.core as mx
+
+        with self.lock:
+            self._admit()
+            plan = self._assemble()
+            if not plan:
+                return 0
+            if self.residency is not None:
+                self.residency.enter("decode")
+            segs = BatchPlan([(r.caches, n) for r, n in plan])
+            ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
+            logits = forward(self.model, segs, ids)
+            for r, n in plan:
+                if n > 1 or not r.out:
+                    r.stats.prefilled_tokens += n
+                r.cached += n
+            mx.eval(logits, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
+            self.steps += 1
+            now = time.perf_counter()
+            greedy = mx.argmax(logits, axis=-1).tolist()  # one evaluation for every plain greedy row
+            for j, (r, n) in enumerate(plan):
+                P = r.caches[0].seq.page_size
+                if self.index is not None and (r.cached - n) // P < r.cached // P:  # followers attach them now
+                    self.index.publish(r.caches[0].seq, r.feed[:r.cached // P * P])  # sealed pages only
+                if r.cached == len(r.feed):
+                    self._advance(r, logits[j], greedy[j], now)
+            return len(ids)
+
+    def _choose(self, r: Request, logits, greedy: int) -> int:
+        """Sampling of one row: the same processors, constraint and sampler as the single-sequence path
+        (generation.Sampling); `greedy` is the row's argmax, used as is when nothing rewrites the logits."""
+        import mlx.core as mx
+
+        if r.sampling.temperature == 0 and r.sampling.constraint is None and not r._processors:
+            return greedy
+        if r._processors:
+            ctx = mx.array(r.feed)
+            for p in r._processors:
+                logits = p(ctx, logits)
+        if r.sampling.constraint is not None:
+            logits = r.sampling.constraint.apply(logits)
+        if r.sampling.temperature == 0 and r.sampling.constraint is None:
+            return int(mx.argmax(logits))
+        if r.sampling.seed is not None:  # reproducible per request whatever else shares the batch
+            mx.random.seed((r.sampling.seed * 1_000_003 + len(r.out)) % 2**63)
+        return int(r._sample((logits - mx.logsumexp(logits, keepdims=True))[None])[0])
+
+    def _advance(self, r: Request, logits, greedy: int, now: float):
+        tok = self._choose(r, logits, greedy)
+        if not r.out:
+            r.stats.ttft_s = r.stats.prefill_s = now - r.submitted
+        r.token_times.append(now)
+        c = r.sampling.constraint
+        if c is not None:
+            c.advance(tok)
+        if tok in self.eos:
+            return self._finish(r, "stop")
+        r.out.append(tok)
+        r.feed.append(tok)
+        r.stats.generated_tokens = len(r.out)
+        r._detok.add_token(tok)
+        text = r._stops.feed(r._detok.last_segment)
+        r._emit(text, tok)
+        if r._stops.hit or (c is not None and c.done):
+            return self._finish(r, "stop")
+        if len(r.out) >= r.max_tokens:
+            return self._finish(r, "length")
+        if c is not None:
+            forced = c.forced()[: r.max_tokens - len(r.out)]
+            for t in forced:
+                c.advance(t)
+                r.out.append(t)
+                r.feed.append(t)
+                r._detok.add_token(t)
+                r._emit(r._stops.feed(r._detok.last_segment), t)
+            r.stats.forced_tokens += len(forced)
+
+    def _finish(self, r: Request, reason: str, publish: bool = True):
+        if r in self.running:
+            self.running.remove(r)
+        if r.caches is not None:
+            seq = r.caches[0].seq
+            if publish and self.index is not None:
+                self.index.publish(seq, r.feed[:r.cached])
+            seq.release()
+            r.caches = None
+        if reason != "cancelled":
+            r._detok.finalize()
+            tail = r._stops.feed(r._detok.last_segment) if not r._stops.hit else ""
+            tail += "" if r._stops.hit else r._stops.flush()
+            r._emit(tail, -1)
+        r.state, r.finish_reason = DONE, reason
+        s = r.stats
+        s.finish_reason = reason
+        s.turn_s = time.perf_counter() - r.submitted
+        if len(r.token_times) > 1:
+            s.decode_tok_s = (len(r.token_times) - 1) / (r.token_times[-1] - r.token_times[0])
+
+    # -- admission and memory ----------------------------------------------------------------------
+    def _admit(self):
+        """Move queued requests into the running set while batch room and KV budget allow (oldest first)."""
+        for r in list(self.queue):
+            if len(self.running) >= self.max_batch:
+                return
+            r.caches = self.make_cache()
+            seq = r.caches[0].seq
+            self.pool = seq.pool
+            reused = self.index.extend(seq, r.feed, limit=len(r.feed) - 1) if self.index is not None else 0
+            if self._leader(r, reused) is not None:  # its prefix is being computed: attach it when sealed
+                seq.release()
+                r.caches, r.state = None, WAITING
+                continue
+            need = self._seq_bytes(len(r.feed)) - self._seq_bytes(reused) + self._headroom()
+            if not self._fits(need) and self.running:
+                seq.release()
+                r.caches = None
+                return  # oldest first: nobody overtakes a request waiting for memory
+            self.queue.remove(r)
+            r.cached = reused
+            if not r.preemptions:
+                r.stats.reused_tokens = reused
+                r.stats.queue_s = time.perf_counter() - r.submitted
+            else:
+                r.restored_tokens += reused  # pages checkpointed at preemption, attached again
+            r.state = RUNNING
+            self.running.append(r)
+
+    def _leader(self, r: Request, reused: int) -> Optional[Request]:
+        """A running request still computing a full page r shares beyond what r could attach."""
+        if self.index is None:
+            return None
+        P = self.index.page_size
+        for a in self.running:
+            common = _common_prefix(a.feed, r.feed, len(r.feed) - 1) // P * P
+            if common > reused and a.cached < common:
+                return a
+        return None
+
+    def _assemble(self) -> List[tuple]:
+        """[(request, rows)] for this step: every decoder one token, then prefill chunks oldest first, within
+        step_tokens; preempts the youngest when the KV budget cannot hold the step."""
+        while True:
+            plan, budget = [], self.step_tokens
+            for r in self.running:
+                if len(r.feed) - r.cached == 1:
+                    plan.append((r, 1))
+                    budget -= 1
+            for r in self.running:
+                left = len(r.feed) - r.cached
+                if left > 1 and budget > 0:
+                    plan.append((r, min(left, budget)))
+                    budget -= plan[-1][1]
+            if not plan:
+                return plan
+            need = sum(self._grow_bytes(r, n) for r, n in plan)
+            if self._fits(need) or len(self.running) == 1:
+                for r, n in plan:
+                    r.caches[0].seq.reserve(r.cached + n)  # all layers at once, before the pass
+                return plan
+            self._preempt(self.running[-1])
+
+    def _preempt(self, r: Request):
+        """Checkpoint r's sealed pages through StateTrans, release its sequence, requeue it at the front;
+        on readmission the pages come back from the index (memory or disk) and only the open page is recomputed."""
+        from .statetrans.checkpoint import commit
+
+        seq = r.caches[0].seq
+        if self.index is not None:
+            published = self.index.publish(seq, r.feed[:r.cached])
+            if self.index.persist:
+                try:
+                    commit(self.index.store, self.index.home, None, self.index.new_pages(published),
+                           self.index.checksums)
+                except OSError:
+                    pass  # stays in memory only; if evicted there, its tokens are recomputed
+        seq.release()
+        r.caches, r.cached, r.state = None, 0, QUEUED
+        r.preemptions += 1
+        self.preempted += 1
+        self.running.remove(r)
+        self.queue.appendleft(r)
+        if self.index is not None and self.budget_bytes is not None:
+            self.index.evict_memory(self.budget_bytes // 2)
+
+    def used_bytes(self) -> int:
+        """Bytes of every page in the pool: running sequences' and cached prefixes'."""
+        return self.pool.nbytes if self.pool is not None else 0
+
+    def _fits(self, need: int) -> bool:
+        if self.budget_bytes is None:
+            return True
+        if self.used_bytes() + need <= self.budget_bytes:
+            return True
+        if self.index is not None:  # cold cached prefixes go first
+            self.index.evict_memory(max(0, self.budget_bytes - need))
+        return self.used_bytes() + need <= self.budget_bytes
+
+    def _grow_bytes(self, r: Request, n: int) -> int:
+        """Bytes r's pages grow by when n more tokens are written after its cached ones."""
+        return self._seq_bytes(r.cached + n) - self._seq_bytes(r.cached)
+
+    def _headroom(self) -> int:
+        """Room kept free at admission: one more page for every running sequence, so admitting a request
+        does not force a preemption a few steps later (no admit/preempt thrashing)."""
+        P = self.kv.page_size if self.kv is not None else 0
+        return sum(self._seq_bytes(len(r.feed) + P) - self._seq_bytes(len(r.feed)) for r in self.running)
+
+    def _seq_bytes(self, n_tokens: int) -> int:
+        """KV bytes of a sequence of n_tokens: sealed pages (full precision before quantized_kv_start,
+        quantized after) plus the open page, which is a full-precision buffer of a whole page."""
+        if self.page_bytes is None or n_tokens <= 0:
+            return 0
+        P = self.kv.page_size
+        sealed, partial = divmod(n_tokens, P)
+        fp = sealed if self.kv.bits == 16 else min(sealed, -(-self.kv.quantized_kv_start // P))
+        return fp * self.page_bytes["fp"] + (sealed - fp) * self.page_bytes["q"] + bool(partial) * self.page_bytes["fp"]
+
+    def _worst_bytes(self, n_tokens: int) -> int:
+        """KV bytes one request of n_tokens can reach (its last page open)."""
+        return self._seq_bytes(n_tokens) + (self.page_bytes["fp"] if self.page_bytes and n_tokens % self.kv.page_size == 0 else 0)
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def report(self) -> Dict[str, int]:
+        return {"queued": len(self.queue), "running": len(self.running), "steps": self.steps,
+                "preempted": self.preempted, "kv_bytes": self.used_bytes(),
+                "budget_bytes": self.budget_bytes or 0}
+
+
+def _common_prefix(a: List[int], b: List[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a[:limit], b[:limit]):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _page_bytes(model, kv) -> Dict[str, int]:
+    """Bytes of one page id across all layers: 'fp' (open or full precision, float32) and 'q' (sealed)."""
+    import math
+
+    a = model.args
+    layers = len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
+    heads = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
+    dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    per_token_fp = 2 * heads * dim * 4
+    if kv.bits == 16:
+        per_token_q = per_token_fp
+    elif kv.format == "rotated":
+        dp = 1 << max(0, (dim - 1).bit_length())
+        per_token_q = 2 * heads * (dp // 2 + 2)
+    else:
+        dp = math.ceil(dim / kv.group_size) * kv.group_size
+        per_token_q = 2 * heads * (dp * kv.bits // 8 + 2 * 4 * dp // kv.group_size)
+    return {"fp": layers * kv.page_size * per_token_fp, "q": layers * kv.page_size * per_token_q}
+
+
+class AsyncRequest:
+    """asyncio view of a Request: `async for chunk in req`, `await req.result()`, `req.cancel()`. Engine
+    steps run on the engine's one worker thread, so the event loop never blocks on the model."""
+
+    def __init__(self, request: Request):
+        self.request = request
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Chunk:
+        import asyncio
+
+        chunk = await asyncio.get_running_loop().run_in_executor(self.request.engine.executor(), _next_or_none,
+                                                                 self.request)
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    async def result(self) -> Generation:
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(self.request.engine.executor(),
+                                                                self.request.result)
+
+    def cancel(self):
+        self.request.cancel()
+
+
+def _next_or_none(req: Request) -> Optional[Chunk]:
+    return next(req, None)

@@ -1,0 +1,131 @@
+"""Batched paged attention (kvexec/batch.py): a batch of sequences with different lengths gives each
+sequence what it gets alone, and no row ever reads another sequence's pages."""
+
+import mlx.core as mx
+import pytest
+
+from justfit.config import KVConfig
+from justfit.kvexec import make_cache
+from justfit.kvexec.attention import paged_attention
+from justfit.kvexec.batch import BatchPlan, _decode_batch, forward
+from justfit.kvexec.pages import Page, PagePool
+
+PROMPTS = ["Explain why the sky is blue in two sentences.",
+           "Write a haiku about the sea and the moon, with some detail about the waves at night.",
+           "Hi"]
+CONFIGS = [KVConfig(bits=16, page_size=32), KVConfig(bits=4, page_size=32, quantized_kv_start=32),
+           KVConfig(bits=4, format="rotated", page_size=32, quantized_kv_start=0),
+           KVConfig(bits=8, page_size=32, quantized_kv_start=0)]
+
+
+@pytest.fixture(scope="module")
+def rt(runtime16):
+    runtime16.phaseswap.enter("decode")  # weights resident even if an earlier test ran a tool phase
+    return runtime16
+
+
+def _alone(model, kv, ids, n):
+    c = make_cache(model, kv)
+    logits = model(mx.array(ids)[None], cache=c)[0, -1]
+    out, steps = [], []
+    for _ in range(n):
+        steps.append(logits)
+        out.append(int(mx.argmax(logits)))
+        logits = model(mx.array([[out[-1]]]), cache=c)[0, -1]
+    return out, mx.stack(steps)
+
+
+def _batched(model, kv, prompts, n, join_at=2):
+    """The first two prompts prefill together; the third joins (prefill chunk next to decodes) at step join_at."""
+    caches = [make_cache(model, kv) for _ in prompts]
+    outs, steps = [[] for _ in prompts], [[] for _ in prompts]
+    fed = [0, 0, 0]
+    for step in range(n + join_at):
+        segs, ids, who = [], [], []
+        for i, p in enumerate(prompts):
+            if i == 2 and step < join_at or len(outs[i]) >= n:
+                continue
+            piece = p if not outs[i] else [outs[i][-1]]
+            segs.append((caches[i], len(piece)))
+            ids += piece
+            who.append(i)
+        if not who:
+            break
+        logits = forward(model, BatchPlan(segs), ids)
+        for j, i in enumerate(who):
+            steps[i].append(logits[j])
+            outs[i].append(int(mx.argmax(logits[j])))
+            fed[i] += 1
+    return outs, [mx.stack(s) for s in steps]
+
+
+SLOW = pytest.mark.slow  # the same check in two more formats (each ~40 forward passes of the model)
+
+
+@pytest.mark.parametrize("kv", CONFIGS[:2] + [pytest.param(k, marks=SLOW) for k in CONFIGS[2:]], ids=lambda k: k.name)
+def test_batch_equals_each_sequence_alone(rt, kv):
+    prompts = [rt.encode(p) for p in PROMPTS]
+    got, logits = _batched(rt.model, kv, prompts, 8)
+    for p, g, lg in zip(prompts, got, logits):
+        ref, ref_logits = _alone(rt.model, kv, p, 8)
+        assert g == ref  # several sealed (quantized) pages, the open one, a join mid-batch
+        if kv.bits == 16:
+            assert mx.allclose(lg, ref_logits, atol=1e-3)
+
+
+def _poison(caches):
+    """Replace every page of a sequence by NaN arrays of the same shapes and dtypes."""
+    seq = caches[0].seq
+    for layer in range(seq.pool.n_layers):
+        for pid in seq.table:
+            page = seq.pool.get(layer, pid)
+            k, v = page.parts()
+            nan = lambda a: mx.full(a.shape, float("nan")).astype(a.dtype) if mx.issubdtype(a.dtype, mx.floating) else mx.full(a.shape, 0xFFFFFFFF, dtype=a.dtype)  # noqa: E731
+            seq.pool.put(layer, pid, Page(page.kind, tuple(nan(a) for a in k), tuple(nan(a) for a in v)))
+
+
+@pytest.mark.parametrize("kv", CONFIGS[:3], ids=lambda k: k.name)
+def test_rows_never_read_other_sequences_pages(rt, kv):
+    model = rt.model
+    prompts = [rt.encode(p) for p in PROMPTS]
+    clean, dirty = ([make_cache(model, kv) for _ in prompts] for _ in range(2))
+    for caches in (clean, dirty):
+        forward(model, BatchPlan([(c, len(p)) for c, p in zip(caches, prompts)]), [t for p in prompts for t in p])
+        mx.eval([c.state for cs in caches for c in cs])
+    _poison(dirty[1])
+    for step in range(3):  # decode batch, then decode + a prefill chunk in one pass
+        extra = rt.encode("Tell me more.") if step == 2 else [7]
+        a, b = (forward(model, BatchPlan([(cs[0], 1), (cs[1], 1), (cs[2], len(extra))]), [11, 12] + extra)
+                for cs in (clean, dirty))
+        assert bool(mx.isnan(b[1]).any())  # the poison is really read by its own row
+        assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[2], b[2])
+
+
+def _filled_cache(kv, n_tokens, H=3, D=64, seed=0, pool=None):
+    """A one-layer paged cache holding n_tokens random keys/values written in uneven pieces."""
+    from justfit.kvexec.cache import PagedKVCache
+    from justfit.kvexec.pages import Sequence
+
+    mx.random.seed(seed)
+    pool = pool or PagePool(1, kv.page_size)
+    c = PagedKVCache(Sequence(pool), 0, kv)
+    done = 0
+    for piece in (5, 40, 1, 100, 7, 300):
+        n = min(piece, n_tokens - done)
+        if n <= 0:
+            break
+        c.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
+        done += n
+    return c
+
+
+@pytest.mark.parametrize("kv", CONFIGS, ids=lambda k: k.name)
+def test_decode_batch_matches_single_sequence_attention(kv):
+    pool = PagePool(1, kv.page_size)
+    lengths = [1, 31, 32, 33, 150, 453]
+    caches = [_filled_cache(kv, n, seed=i, pool=pool) for i, n in enumerate(lengths)]
+    q = mx.random.normal((len(lengths), 9, 64))
+    got = _decode_batch(q, caches, 0.125)
+    for i, c in enumerate(caches):
+        ref = paged_attention(q[i][None, :, None], c, 0.125)[0, :, 0]
+        assert mx.allclose(got[i], ref, atol=2e-5, rtol=1e-4), (kv.name, lengths[i])

@@ -1,0 +1,148 @@
+"""The batching scheduler on the real default model: joins and leaves, chunked prefill next to decodes,
+cancellation, bad requests, prefix sharing, preemption under a tiny KV budget, Runtime.submit/generate_batch."""
+
+import uuid
+
+import mlx.core as mx
+import pytest
+
+import justfit
+from justfit.config import KVConfig
+from justfit.errors import UserError
+from justfit.kvexec import make_cache
+from justfit.scheduler import Engine
+
+
+@pytest.fixture(scope="module")
+def rt(default_model_dir, tmp_path_factory):
+    """The default model with small fp16 pages (several sealed pages per request) and its own store."""
+    return justfit.Runtime(model=str(default_model_dir), kv=KVConfig(bits=16, page_size=32),
+                           home=tmp_path_factory.mktemp("sched-home"))
+
+
+def _alone(rt, ids, n):
+    """Greedy tokens of one sequence run by itself through mlx-lm's model call (the reference)."""
+    c = make_cache(rt.model, rt.kv)
+    logits = rt.model(mx.array(ids)[None], cache=c)[0, -1]
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits)))
+        if out[-1] in rt.tokenizer.eos_token_ids:
+            return out[:-1]
+        logits = rt.model(mx.array([[out[-1]]]), cache=c)[0, -1]
+    return out
+
+
+def _engine(rt, **kw):
+    return Engine(rt.model, rt.tokenizer, rt.make_cache, index=rt.index, kv=rt.kv, **kw)
+
+
+def _unique(text):
+    return f"[{uuid.uuid4().hex}] {text}"  # nothing cached from another test or run
+
+
+def test_join_leave_and_chunked_prefill_next_to_decode(rt):
+    eng = _engine(rt, step_tokens=24)
+    a_ids = rt.encode(_unique("Name three colors."))
+    b_ids = rt.encode(_unique("Write a long answer: why is the sky blue, and why are sunsets red? " * 2))
+    a = eng.submit(a_ids, max_tokens=10)
+    while len(a.out) < 3:
+        eng.step()
+    b = eng.submit(b_ids, max_tokens=6)  # joins mid-batch; its prefill is chunked (> 24 tokens)
+    c = eng.submit(rt.encode(_unique("Hi")), max_tokens=2)  # leaves early
+    steps_with_b_prefilling = 0
+    while not (a.done and b.done and c.done):
+        before = len(a.out)
+        eng.step()
+        if not b.out and b.cached and not a.done:
+            steps_with_b_prefilling += 1
+            assert len(a.out) == before + 1 or a.done  # the decoder never stalls behind B's prefill
+    assert steps_with_b_prefilling >= 2
+    assert a.out == _alone(rt, a_ids, 10)
+    assert b.out == _alone(rt, b_ids, 6)
+    assert c.done and len(c.out) <= 2
+    assert b.stats.prefilled_tokens == len(b_ids) - b.stats.reused_tokens and b.stats.generated_tokens == len(b.out)
+
+
+def test_cancel_frees_private_pages_at_once(rt):
+    pool, index = rt.index.pool, rt.index
+    assert index.sequence_refs() == 0
+    eng = _engine(rt)
+    keep = eng.submit(rt.encode(_unique("Count to ten.")), max_tokens=8)
+    drop = eng.submit(rt.encode(_unique("Tell me about the moon. " * 6)), max_tokens=50)
+    for _ in range(3):
+        eng.step()
+    drop_pages = set(drop.caches[0].seq.table)
+    held = index.sequence_refs()
+    drop.cancel()
+    assert index.sequence_refs() == held - len(drop_pages)  # its references are gone now, not at the end
+    private = {p for p in drop_pages if p not in set(index.mem.values())}
+    assert private and not private & set(pool.refs)  # and its private pages are free
+    assert drop.done and drop.finish_reason == "cancelled"
+    assert len(list(drop)) <= 3  # what was produced before the cancel, then the iteration ends
+    keep.result()
+    assert index.sequence_refs() == 0  # back to baseline: only the prefix index holds pages
+
+
+def test_bad_requests_refused_without_disturbing_the_batch(rt):
+    ids = rt.encode(_unique("What is the capital of France?"))
+    eng = _engine(rt)
+    r = eng.submit(ids, max_tokens=8)
+    eng.step()
+    for bad, kw, words in (([], {}, "empty"), (ids, {"max_tokens": 0}, "max_tokens"),
+                           ([1] * 9000, {}, "context"), (ids, {"temperature": -1}, "temperature"),
+                           ([10**7], {}, "vocabulary")):
+        with pytest.raises(UserError, match=words):
+            eng.submit(bad, **kw)
+    assert r.result().tokens == _alone(rt, ids, 8)
+
+
+def test_shared_prefix_is_prefilled_once_even_in_the_same_step(rt):
+    system = _unique("You are a careful assistant. " * 12)  # > 2 pages of 32 tokens
+    prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+               for q in ("Name a fruit.", "Name a planet.", "Name a river.")]
+    eng = _engine(rt)
+    reqs = [eng.submit(rt.encode(p), max_tokens=4) for p in prompts]
+    gens = eng.run(reqs)
+    first, rest = gens[0].stats, [g.stats for g in gens[1:]]
+    shared = min(s.reused_tokens for s in rest)
+    assert first.reused_tokens < 32 and first.prefilled_tokens == first.prompt_tokens - first.reused_tokens
+    assert shared >= 64  # the followers attached the leader's prefix pages instead of prefilling them
+    assert sum(s.prefilled_tokens for s in rest) == sum(s.prompt_tokens - s.reused_tokens for s in rest)
+    for p, g in zip(prompts, gens):
+        assert g.tokens == _alone(rt, rt.encode(p), 4)
+
+
+def test_preemption_under_a_tiny_budget_gives_the_same_tokens(rt):
+    prompts = [rt.encode(_unique(f"Story number {i}: a fox, a crow and a piece of cheese.")) for i in range(3)]
+    free = _engine(rt)
+    ref = free.run([free.submit(p, max_tokens=32) for p in prompts])
+    # room for two prompts plus one page: both grow by a page or more while decoding, so one is preempted
+    budget = 2 * free._seq_bytes(max(map(len, prompts))) + free.page_bytes["fp"]
+    eng = _engine(rt, budget_bytes=budget)
+    reqs = [eng.submit(p, max_tokens=32) for p in prompts]
+    gens = eng.run(reqs)
+    assert eng.preempted >= 1  # memory really ran out mid-decode
+    assert sum(r.restored_tokens for r in reqs) >= 32  # checkpointed pages came back, not recomputed
+    assert [g.tokens for g in gens] == [g.tokens for g in ref]
+    assert max(g.stats.queue_s for g in gens) > 0
+
+
+def test_runtime_submit_generate_batch_and_async(rt):
+    import asyncio
+
+    qs = [_unique("What is the capital of France?"), _unique("Name three colors.")]
+    gens = rt.generate_batch(qs, max_tokens=8)
+    assert [g.tokens for g in gens] == [_alone(rt, rt.encode(q), 8) for q in qs]
+    assert "Paris" in gens[0].text
+    req = rt.submit(qs[0], max_tokens=12, stop=["Paris"])
+    text = "".join(c.text for c in req)
+    assert "Paris" not in text and req.stats.finish_reason == "stop"
+
+    async def main():
+        a = rt.submit_async(qs[1], max_tokens=5)
+        got = [c.text async for c in a]
+        return "".join(got), await a.result()
+
+    text, g = asyncio.run(main())
+    assert text == g.text and g.tokens == gens[1].tokens[:5]
