@@ -210,6 +210,8 @@ def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, docume
         if stress_page:
             stress = [(n, layout(n, stress_page, 0), factory(n, model, stress_page, 0)) for n in systems
                       if n.startswith("justfit") and n != "justfit-fp16"]
+            stress += [(n, layout(n, stress_page, stress_page), factory(n, model, stress_page, stress_page))
+                       for n in systems if n == "justfit-default"]  # the same with one page of full-precision sinks
             stress += [p for p in plain if p[0].startswith("mlx-lm") and p[2] is not None]
             rows += [dict(r, workload="stress") for r in quality_rows(model, refs, stress)]
     if document:
