@@ -1,4 +1,5 @@
-"""A custom tool in a minimal agent loop on the default model (`pip install -e .` first)."""
+"""A custom tool in a minimal agent loop on the default model (`pip install -e .` first).
+Expected output: examples/expected/agent_custom_tool.txt (a test)."""
 import justfit
 from justfit_agents import Agent
 
@@ -14,4 +15,7 @@ def word_count(text: str) -> int:
 
 agent = Agent(justfit.Runtime(), tools=[word_count], tool_choice="required", max_steps=3)
 result = agent.run("How many words are in 'the quick brown fox jumps'?")
-print(result.transcript())
+for call in result.tool_calls:
+    print(f"called {call.name}({call.arguments}) -> {call.result}")
+print(f"stopped: {result.stopped}")
+print(f"answer: {result.answer}")

@@ -16,5 +16,5 @@ print(agent.run("List the files.").transcript())
 results = agent.fan_out([f"What does {name} say?" for name in ("alpha.txt", "beta.txt", "gamma.txt")])
 for r in results:
     st = r.steps[0].stats
-    print(f"sub-agent: reused {st['reused_tokens']} / prefilled {st['prefilled_tokens']} tokens -> {r.answer!r}")
+    print(f"sub-agent: reused {st.reused_tokens} / prefilled {st.prefilled_tokens} tokens -> {r.answer!r}")
 print(agent.run("Summarize what the sub-agents found.").transcript())

@@ -2,16 +2,24 @@
 
 __version__ = "0.1.0"
 
+from .blas import use_fast_blas  # noqa: E402
+
+use_fast_blas()  # before anything imports MLX: OpenBLAS on Linux CPU (see blas.py)
+
 from .config import KVConfig  # noqa: E402
 from .errors import MemoryBudgetError, UserError  # noqa: E402
 
 
 def __getattr__(name):
-    # Lazy so that `import justfit` stays cheap (the CLI re-execs itself before importing MLX).
-    if name in ("Runtime", "Generation", "Chunk"):
-        from . import runtime
+    # Lazy so that `import justfit` stays cheap and loads OpenBLAS before MLX is imported.
+    if name == "Runtime":
+        from .runtime import Runtime
 
-        return getattr(runtime, name)
+        return Runtime
+    if name in ("Generation", "Chunk", "TurnStats"):
+        from . import turns
+
+        return getattr(turns, name)
     if name == "load":
         from .models import load
 
@@ -27,4 +35,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'justfit' has no attribute {name!r}")
 
 
-__all__ = ["KVConfig", "UserError", "MemoryBudgetError", "Runtime", "load", "make_cache", "Session"]
+__all__ = ["KVConfig", "UserError", "MemoryBudgetError", "Runtime", "load", "make_cache", "Session",
+           "Generation", "Chunk", "TurnStats"]

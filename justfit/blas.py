@@ -1,13 +1,16 @@
-"""Give MLX's Linux CPU wheel a fast BLAS: re-exec the CLI with Debian's OpenBLAS preloaded.
+"""Give MLX's Linux CPU wheel a fast BLAS: `import justfit` loads Debian's OpenBLAS before MLX.
 
-The `mlx[cpu]` wheel links the reference BLAS it bundles (~8 GFLOP/s here); preloading OpenBLAS
-interposes the same symbols (~120 GFLOP/s). Set JUSTFIT_OPENBLAS=0 to turn this off, or to a path to
-use another libblas.so.3.
+The `mlx[cpu]` wheel links the reference BLAS it bundles (~8 GFLOP/s here); OpenBLAS loaded with
+RTLD_GLOBAL first interposes the same symbols (~120 GFLOP/s), like LD_PRELOAD but in-process, so the
+CLI, the tests and Python users all get it without a re-exec. JUSTFIT_OPENBLAS=0 turns it off; a path
+uses another libblas.so.3.
 """
 
+import ctypes
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +19,8 @@ CANDIDATES = (
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
     "/usr/lib64/libopenblasp.so.0",
 )
+_OFF = ("0", "off", "false", "no")
+_LOADED = False
 
 
 def reference_blas_bundled() -> bool:
@@ -30,7 +35,7 @@ def reference_blas_bundled() -> bool:
 def openblas_path() -> Optional[str]:
     """The OpenBLAS libblas to preload, or None when disabled or absent."""
     choice = os.environ.get("JUSTFIT_OPENBLAS", "1")
-    if choice in ("0", "off", "false", "no"):
+    if choice in _OFF:
         return None
     if choice not in ("1", "on", "true", "yes"):
         return choice if Path(choice).is_file() else None
@@ -54,17 +59,35 @@ def active_blas() -> str:
     return "reference (slow)" if any(n.startswith("libblas-") for n in names) else "not loaded yet"
 
 
-def maybe_reexec(argv, module: str = "justfit") -> None:
-    """Re-exec `python -m module argv[1:]` once with OpenBLAS in LD_PRELOAD when that makes MLX
-    faster and is safe (the CLI, and the test suite through tests/conftest.py)."""
-    if not sys.platform.startswith("linux") or os.environ.get("JUSTFIT_BLAS_REEXEC"):
-        return
+def load_openblas() -> bool:
+    """Load OpenBLAS into this process before MLX is imported, so MLX's BLAS calls resolve to it
+    (a library loaded RTLD_GLOBAL is searched before MLX's own dependencies). True when loaded."""
+    global _LOADED
+    if _LOADED or not sys.platform.startswith("linux") or "mlx.core" in sys.modules:
+        return _LOADED
     lib = openblas_path()
-    preload = os.environ.get("LD_PRELOAD", "")
-    if lib is None or "openblas" in preload or not reference_blas_bundled():
-        return
-    env = dict(os.environ, JUSTFIT_BLAS_REEXEC="1", LD_PRELOAD=f"{lib} {preload}".strip())
+    if lib is None or not reference_blas_bundled():
+        return False
     try:
-        os.execve(sys.executable, [sys.executable, "-m", module, *argv[1:]], env)
+        ctypes.CDLL(lib, mode=os.RTLD_GLOBAL)
     except OSError:
-        return  # keep running without it rather than fail
+        return False  # keep running on the reference BLAS rather than fail
+    _LOADED = True
+    return True
+
+
+def use_fast_blas() -> None:
+    """Called by `import justfit`: load OpenBLAS when MLX is not imported yet; when MLX was imported
+    first with the reference BLAS, warn once how to get the fast one."""
+    if load_openblas() or "mlx.core" not in sys.modules or os.environ.get("JUSTFIT_OPENBLAS", "1") in _OFF:
+        return
+    if sys.platform.startswith("linux") and openblas_path() and active_blas().startswith("reference"):
+        warnings.warn(
+            "MLX was imported before justfit and uses its slow reference BLAS (6-10x slower on CPU): "
+            "`import justfit` before `mlx`, or run with LD_PRELOAD=" + openblas_path(),
+            RuntimeWarning, stacklevel=3)
+
+
+def maybe_reexec(argv, module: str = "justfit") -> None:
+    """Kept for callers written before in-process loading: `import justfit` loads OpenBLAS now."""
+    return None

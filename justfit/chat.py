@@ -1,47 +1,88 @@
-"""`justfit chat`: one-shot (--prompt or piped stdin) or an interactive REPL with history."""
+"""`justfit chat`: one-shot (--prompt or piped stdin) or an interactive REPL with history.
 
+Every reply ends with a stats line on stderr; with --json each reply is instead one JSON object on
+stdout: {"text": ..., "stats": {...}, "stopped": bool}.
+"""
+
+import json
 import sys
+from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
 
 import typer
 
-
-def format_stats(stats: dict) -> str:
-    """The one-line footer: prompt tokens, TTFT, decode speed, peak memory."""
-    draft = (f" | {stats['drafter']} {stats.get('accepted_tokens', 0)}/{stats.get('drafted_tokens', 0)} accepted"
-             if stats.get("drafter", "none") != "none" else "")
-    return (f"[prompt {stats.get('prompt_tokens', 0)} tok, reused {stats.get('reused_tokens', 0)} | "
-            f"TTFT {stats.get('ttft_s', 0.0):.2f} s | decode {stats.get('decode_tok_s', 0.0):.1f} tok/s | "
-            f"{stats.get('generated_tokens', 0)} tok | peak {stats.get('peak_memory_bytes', 0) / 1e6:.0f} MB{draft}]")
+from .progress import LateBar
 
 
-def _reply(rt, messages: List[dict], opts: dict) -> str:
-    """Stream one reply to stdout; Ctrl-C stops it early and keeps what was said."""
-    parts = []
-    try:
-        for chunk in rt.stream(messages, **opts):
-            parts.append(chunk.text)
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-    except KeyboardInterrupt:
-        sys.stdout.write(" [stopped]")
-    sys.stdout.write("\n")
-    return "".join(parts)
+def stats_dict(stats) -> dict:
+    """A turn's stats as a plain dict, whether the runtime hands a TurnStats or (older) a dict."""
+    if stats is None:
+        return {}
+    return stats.as_dict() if hasattr(stats, "as_dict") else dict(stats)
 
 
-def _residency(rt, show: bool) -> None:
-    """With --stats: resident components, their bytes and the phase (PhaseSwap)."""
-    if show:
-        from .phaseswap.residency import format_report
+def format_stats(stats) -> str:
+    """The one-line footer: prompt tokens, TTFT, decode speed, tokens, peak memory."""
+    s = stats_dict(stats)
+    draft = (f" | {s['drafter']} {s.get('accepted_tokens', 0)}/{s.get('drafted_tokens', 0)} accepted"
+             if s.get("drafter", "none") not in ("none", None) else "")
+    stopped = " | stopped by Ctrl-C" if s.get("stopped") else ""
+    return (f"[prompt {s.get('prompt_tokens') or 0} tok, reused {s.get('reused_tokens') or 0} | "
+            f"TTFT {s.get('ttft_s') or 0.0:.2f} s | decode {s.get('decode_tok_s') or 0.0:.1f} tok/s | "
+            f"{s.get('generated_tokens') or 0} tok | peak {(s.get('peak_memory_bytes') or 0) / 1e6:.0f} MB"
+            f"{draft}{stopped}]")
 
-        typer.echo(format_report(rt.residency()), err=True)
+
+@dataclass
+class ChatOutput:
+    """How replies are shown (streamed text or JSON, residency report) and the last turn's stats."""
+
+    json_out: bool = False
+    residency: bool = False
+    last: dict = field(default_factory=dict)
+
+    def reply(self, rt, source, messages, opts: dict) -> str:
+        """Run one turn on `source` (a Runtime or a Session), show it, keep its stats; Ctrl-C stops
+        the reply early and keeps what was said (and the stats up to there, for /stats)."""
+        parts, stopped = [], False
+        prefill = LateBar("prefilling the prompt (tokens)", after=2.0)  # drawn only for prefills over 2 s
+        gen = source.stream(messages, **opts, progress=prefill)
+        try:
+            for chunk in gen:
+                prefill.close()
+                parts.append(chunk.text)
+                if not self.json_out:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            stopped = True
+        finally:
+            prefill.close()
+            gen.close()  # run the stream's own cleanup now, so its stats are final before we read them
+        text = "".join(parts)
+        self.last = {**stats_dict(getattr(source, "last_stats", None)), "stopped": stopped}
+        if self.json_out:
+            typer.echo(json.dumps({"text": text, "stats": self.last, "stopped": stopped}))
+        else:
+            sys.stdout.write(" [stopped]\n" if stopped else "\n")
+            typer.echo(format_stats(self.last), err=True)
+        if self.residency:
+            from .phaseswap.residency import format_report
+
+            typer.echo(format_report(rt.residency()), err=True)
+        return text
+
+    def show_stats(self) -> None:
+        """The REPL's /stats: the last turn's numbers (also after a reply stopped by Ctrl-C)."""
+        typer.echo(format_stats(self.last) if self.last else "[no turn yet]", err=True)
 
 
-def one_shot(rt, prompt: str, system: Optional[str], opts: dict, show_residency: bool = False) -> None:
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    _reply(rt, messages, opts)
-    typer.echo(format_stats(rt.last_stats), err=True)
-    _residency(rt, show_residency)
+def _system(system: Optional[str]) -> List[dict]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+def one_shot(rt, prompt: str, system: Optional[str], opts: dict, out: Optional[ChatOutput] = None) -> None:
+    (out or ChatOutput()).reply(rt, rt, _system(system) + [{"role": "user", "content": prompt}], opts)
 
 
 def _lines(banner: str) -> Iterator[str]:
@@ -66,59 +107,53 @@ def _lines(banner: str) -> Iterator[str]:
             yield line
 
 
-def repl(rt, system: Optional[str], opts: dict, show_residency: bool = False) -> None:
+def repl(rt, system: Optional[str], opts: dict, out: Optional[ChatOutput] = None) -> None:
     """Interactive chat: history across turns, /reset, /stats, /exit, Ctrl-D exits."""
-    start = [{"role": "system", "content": system}] if system else []
-    messages = list(start)
+    out = out or ChatOutput()
+    messages = _system(system)
     for line in _lines("justfit chat — /reset clears history, /stats shows the last turn, /exit or Ctrl-D quits."):
         cmd = line.strip()
         if cmd == "/reset":
-            messages = list(start)
+            messages = _system(system)
             typer.echo("[history cleared]", err=True)
         elif cmd == "/stats":
-            typer.echo(format_stats(rt.last_stats) if rt.last_stats else "[no turn yet]", err=True)
+            out.show_stats()
         else:
             messages.append({"role": "user", "content": line})
-            messages.append({"role": "assistant", "content": _reply(rt, messages, opts)})
-            if show_residency:
-                typer.echo(format_stats(rt.last_stats), err=True)
-                _residency(rt, True)
+            messages.append({"role": "assistant", "content": out.reply(rt, rt, messages, opts)})
 
 
-def _show_history(session, out) -> None:
+def _show_history(session, to_stderr: bool) -> None:
     """Print a resumed session's earlier turns, so the user sees where the conversation stands."""
     if not session.messages:
         return
     typer.echo(f"[session {session.name!r}: {len(session.messages)} earlier messages, "
                f"{len(session.tokens)} tokens, {session.kv_tokens} restored from pages]", err=True)
     for m in session.messages:
-        typer.echo(f"{m['role']}: {m['content']}", err=out is sys.stderr)
+        typer.echo(f"{m['role']}: {m['content']}", err=to_stderr)
 
 
-def session_chat(rt, name: str, prompt: Optional[str], system: Optional[str], opts: dict,
-                 show_residency: bool = False) -> None:
+def session_chat(rt, name: str, prompt: Optional[str], system: Optional[str], opts: dict, out: Optional[ChatOutput] = None) -> None:
     """`justfit chat --session NAME`: resume the named session (earlier turns shown), answer `prompt`
     or run the REPL on it; every turn is checkpointed, so a restart continues where it stopped."""
+    out = out or ChatOutput()
     session = rt.session(name)
     try:
-        _show_history(session, sys.stderr if prompt is not None else sys.stdout)
-        first = [{"role": "system", "content": system}] if system and not session.tokens else []
+        _show_history(session, to_stderr=prompt is not None or out.json_out)
+        first = _system(system) if not session.tokens else []
         if prompt is not None:
-            _reply(session, first + [{"role": "user", "content": prompt}], opts)
-            typer.echo(format_stats(session.last_stats), err=True)
-            _residency(rt, show_residency)
+            out.reply(rt, session, first + [{"role": "user", "content": prompt}], opts)
             return
         for line in _lines(f"justfit chat, session {name!r} — /reset clears it, /stats, /exit or Ctrl-D quits."):
             cmd = line.strip()
             if cmd == "/reset":
                 session.rewind(len(session.tokens))
-                first = [{"role": "system", "content": system}] if system else []
+                first = _system(system)
                 typer.echo("[session cleared]", err=True)
             elif cmd == "/stats":
-                typer.echo(format_stats(session.last_stats) if session.last_stats else "[no turn yet]", err=True)
+                out.show_stats()
             else:
-                _reply(session, first + [{"role": "user", "content": line}], opts)
+                out.reply(rt, session, first + [{"role": "user", "content": line}], opts)
                 first = []
-                _residency(rt, show_residency)
     finally:
         session.close()

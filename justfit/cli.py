@@ -1,9 +1,9 @@
-"""The `justfit` command line: chat, models, info, bench, probe, sessions."""
+"""The `justfit` command line: chat, serve, models, info, bench, probe, sessions."""
 
 import os
 import sys
 from enum import Enum
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from typer.core import TyperGroup
@@ -19,13 +19,32 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except UserError as e:
             typer.echo(f"justfit: error: {e}", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
 
 
-app = typer.Typer(cls=_Group, no_args_is_help=True, add_completion=False,
-                  help="JustFit: local LLM agents on MLX that fit in memory and answer fast.")
-models_app = typer.Typer(cls=_Group, no_args_is_help=True, help="Cached models: list, import GGUF files.")
+# -h works like --help on every command: click passes help_option_names down to subcommands.
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+app = typer.Typer(cls=_Group, no_args_is_help=True, add_completion=False, context_settings=CONTEXT)
+models_app = typer.Typer(cls=_Group, no_args_is_help=True, help="Cached models: pull, list with sizes, remove, import GGUF files.")
 app.add_typer(models_app, name="models")
+
+
+def _version(value: bool):
+    if value:
+        from . import __version__
+
+        typer.echo(f"justfit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")):
+    r"""JustFit: local LLM agents on MLX that fit in memory and answer fast.
+
+    Defaults for any option can live in $JUSTFIT_HOME/config.toml, one table per command
+    (\[chat], \[probe], \[agent.run] ...); precedence: flags > environment variables > config file > defaults.
+    """
 
 from .bench.cli import app as bench_app  # noqa: E402
 from .probe.cli import probe as _probe  # noqa: E402
@@ -53,6 +72,10 @@ from .statetrans.cli import app as sessions_app  # noqa: E402
 app.add_typer(sessions_app, name="sessions")
 
 
+# Chat's default against loops (llama.cpp and ollama default to 1.1 too); --repetition-penalty 1 turns it off.
+CHAT_REPETITION_PENALTY = 1.1
+
+
 class KVBits(str, Enum):
     four = "4"
     eight = "8"
@@ -66,64 +89,186 @@ class KVFormat(str, Enum):
 
 @app.command()
 def chat(
-    model: str = typer.Option("default", "--model", "-m", help="'default', an mlx-lm folder, a .gguf file or an HF repo id."),
+    model: str = typer.Option("default", "--model", "-m", envvar="JUSTFIT_MODEL", help="'default', an mlx-lm folder, a .gguf file, a cached model name or an HF repo id."),
     session: Optional[str] = typer.Option(None, "--session", help="Named session to resume and extend."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="One-shot: answer this and exit."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Most tokens per reply."),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0 = greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling threshold."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling: keep the smallest set of tokens whose probability reaches P (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Sample only among the K most likely tokens (0 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Drop tokens less likely than P x the most likely one (0 = off)."),
+    repetition_penalty: float = typer.Option(CHAT_REPETITION_PENALTY, "--repetition-penalty", min=1.0, help="Divide the logits of tokens already in the reply's recent context by this (1.0 = off); against loops on small models."),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop the reply before this string (repeatable)."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=-1, max=2**63 - 1, help="Random seed for sampling (-1 or unset: a fresh one each run)."),
     kv_bits: KVBits = typer.Option(KVBits.four, "--kv-bits", help="KV cache precision: 4, 8 or 16 (full)."),
-    kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format."),
-    stats: bool = typer.Option(False, "--stats", help="Show resident components and the phase after each reply."),
+    kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format (rotated needs --kv-bits 4)."),
+    json: bool = typer.Option(False, "--json", help="Print one JSON object per reply (text, stats) instead of streamed text; for scripts."),
+    stats: bool = typer.Option(False, "--stats", help="Also show resident components and the phase after each reply."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Small model with the same tokenizer for speculative decoding."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Bytes, '4GB', or a fraction/percent of RAM."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", envvar="JUSTFIT_MEMORY_BUDGET", help="Bytes, '4GB', or a fraction/percent of RAM."),
     avoid_regimes: bool = typer.Option(False, "--avoid-regimes", help="Steer decode budgets around latency cliffs in this device's `justfit probe` map."),
 ):
-    """Chat with a model: interactive on a terminal, one-shot with --prompt or piped stdin."""
-    from .chat import one_shot, repl, session_chat
+    """Chat with a model: interactive on a terminal, one-shot with --prompt or piped stdin.
+
+    Every reply ends with a stats line on stderr (prompt tokens, TTFT, decode speed, peak memory).
+    """
+    from .chat import ChatOutput, one_shot, repl, session_chat
     from .config import KVConfig
+    from .phaseswap import parse_budget
     from .runtime import Runtime
 
     if session is not None:
         from .statetrans.manifest import check_name
 
         check_name(session)
+    if prompt is not None and not prompt.strip():
+        raise UserError("--prompt is empty: give the text to answer, or leave --prompt out for the REPL")
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read().strip()
         if not prompt:
             raise UserError("nothing to answer: stdin was empty")
-    fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
-    from .phaseswap import parse_budget
+    if kv_format is KVFormat.rotated and kv_bits is not KVBits.four:
+        raise UserError(f"--kv-format rotated is 4-bit only: use --kv-bits 4 (or --kv-format affine with --kv-bits {kv_bits.value})")
+    if any(not s for s in stop or []):
+        raise UserError("--stop needs a non-empty string")
+    kv = KVConfig(bits=int(kv_bits.value), format=kv_format.value)
+    opts = sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop,
+                            None if seed == -1 else seed)
+    from .generation import Sampling
 
-    rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt),
-                 memory_budget=parse_budget(memory_budget), draft_model=draft_model,
-                 avoid_regimes=avoid_regimes)
-    opts = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
+    Sampling(**{k: v for k, v in opts.items() if k != "max_tokens"})  # bad values: one line, before loading
+    steering = None
+    if avoid_regimes:
+        from .probe.maps import RegimeSteering
+
+        steering = RegimeSteering(model, kv)
+    rt = Runtime(model=model, kv=kv, memory_budget=parse_budget(memory_budget), draft_model=draft_model,
+                 steering=steering)
+    out = ChatOutput(json_out=json, residency=stats)
     if session is not None:
-        session_chat(rt, session, prompt, system, opts, stats)
+        session_chat(rt, session, prompt, system, opts, out)
     elif prompt is not None:
-        one_shot(rt, prompt, system, opts, stats)
+        one_shot(rt, prompt, system, opts, out)
     else:
-        repl(rt, system, opts, stats)
+        repl(rt, system, opts, out)
+
+
+def sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop, seed) -> dict:
+    """Keyword arguments for rt.stream (the engine contract); filters that are off are left out."""
+    opts = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
+    extra = dict(top_k=top_k or None, min_p=min_p or None,
+                 repetition_penalty=repetition_penalty if repetition_penalty != 1.0 else None, stop=stop or None)
+    return {**opts, **{k: v for k, v in extra.items() if v is not None}}
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("default", "--model", "-m", help="'default', an mlx-lm folder, a .gguf file or an HF repo id."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs --api-key."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0 picks a free one)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="JUSTFIT_API_KEY", help="Require 'Authorization: Bearer KEY' (env JUSTFIT_API_KEY)."),
+    cors: Optional[str] = typer.Option(None, "--cors", help="Allow browser requests from these origins (comma-separated); off by default."),
+    persist: bool = typer.Option(False, "--persist", help="Checkpoint every prompt_cache_key session to disk (as prompt_cache_retention='24h' does per request)."),
+    idle_release: Optional[float] = typer.Option(None, "--idle-release", min=1, help="Release weights and KV after this many idle seconds; the next request reloads them."),
+    max_queue: int = typer.Option(64, "--max-queue", min=1, help="Requests waiting beyond this get 503 with retry-after."),
+    max_body: int = typer.Option(8 << 20, "--max-body", min=1024, help="Largest request body in bytes (413 beyond)."),
+    kv_bits: KVBits = typer.Option(KVBits.four, "--kv-bits", help="KV cache precision: 4, 8 or 16 (full)."),
+    kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Bytes, '4GB', or a fraction/percent of RAM."),
+):
+    """Serve the model over the OpenAI HTTP API (chat and text completions, tools, JSON output, sessions)."""
+    from .config import KVConfig
+    from .phaseswap import parse_budget
+    from .runtime import Runtime
+    from .server.app import check_bind, serve as run_server
+
+    check_bind(host, api_key)
+    fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
+    rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget))
+    run_server(rt, host, port, api_key=api_key, cors=cors, persist=persist, idle_release=idle_release,
+               max_queue=max_queue, max_body=max_body)
 
 
 @models_app.command("list")
 def models_list():
-    """Models cached under JUSTFIT_HOME/models with their sizes."""
+    """Models cached under JUSTFIT_HOME/models with their sizes on disk."""
     from .models import list_models
 
     rows = list_models()
     if not rows:
-        typer.echo("no cached models (the default one is fetched on first `justfit chat`)")
+        typer.echo("no cached models (`justfit models pull default`, or the first `justfit chat`, fetches one)")
     for r in rows:
-        typer.echo(f"{r['name']:<48} {r['bytes'] / 1e6:8.1f} MB  {r['path']}")
+        typer.echo(f"{r['name']:<48} {_size(r['bytes']):>9}  {r['path']}")
+    if len(rows) > 1:
+        typer.echo(f"{'total':<48} {_size(sum(r['bytes'] for r in rows)):>9}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+@models_app.command("pull")
+def models_pull(name: str = typer.Argument(..., help="'default', a .gguf file, an mlx-lm folder or an HF repo id.")):
+    """Fetch or convert a model into JUSTFIT_HOME/models (or the HF cache for a repo id) ahead of use."""
+    typer.echo(_pull(name))
+
+
+# What an mlx-lm model folder needs (the files mlx-lm itself fetches).
+_HF_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def _pull(name: str) -> str:
+    """'default' or a .gguf: convert into $JUSTFIT_HOME/models; an mlx-lm folder: copy it there;
+    an HF repo id: download into the HF cache (where `--model ID` finds it)."""
+    import shutil
+    from pathlib import Path
+
+    from .config import writable_home
+    from .models import default_model, import_gguf, resolve
+
+    if name == "default":
+        return str(default_model())
+    path = Path(name).expanduser()
+    if path.is_file():
+        return str(import_gguf(path))
+    if path.is_dir():
+        resolve(str(path))  # a clear error when it is not a model folder
+        dest = writable_home() / "models" / path.resolve().name
+        if dest.exists():
+            raise UserError(f"{dest} already exists: `justfit models rm {dest.name}` first, or use --model {path}")
+        shutil.copytree(path, dest)
+        return str(dest)
+    repo = resolve(name)  # a cached name comes back as its folder; local-looking misses are errors
+    if Path(repo).is_dir():
+        return repo
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo, allow_patterns=_HF_PATTERNS)
+    except Exception as e:  # offline, unknown repo, gated: all things the user can act on
+        raise UserError(f"could not download {repo!r} from the Hugging Face hub: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+@models_app.command("rm")
+def models_rm(name: str = typer.Argument(..., help="A name shown by `justfit models list`.")):
+    """Remove a cached model folder from JUSTFIT_HOME/models."""
+    from .config import home
+    from .models import list_models
+
+    rows = {r["name"]: r for r in list_models()}
+    if name not in rows:
+        known = ", ".join(rows) or "none cached"
+        raise UserError(f"no cached model named {name!r} under {home() / 'models'} (cached: {known})")
+    import shutil
+
+    shutil.rmtree(rows[name]["path"])
+    typer.echo(f"removed {rows[name]['path']} ({_size(rows[name]['bytes'])})")
 
 
 @models_app.command("import")
 def models_import(path: str = typer.Argument(..., help="A Llama-family .gguf file (Q4_0, Q4_1, Q8_0, F16, F32).")):
-    """Convert a GGUF file into a cached mlx-lm model folder."""
+    """Convert a GGUF file into a cached mlx-lm model folder (same as `models pull FILE.gguf`)."""
     from .models import import_gguf
 
     typer.echo(import_gguf(path))
@@ -155,18 +300,28 @@ def info():
         ("justfit", __version__), ("mlx", version("mlx")), ("mlx-lm", version("mlx-lm")),
         ("blas", active_blas()), ("weights", weights), ("JUSTFIT_HOME", str(home())),
         ("memory budget", Budget(parse_budget(os.environ.get("JUSTFIT_MEMORY_BUDGET"))).describe()),
+        ("tool sandbox", __import__("justfit_agents.sandbox", fromlist=["describe"]).describe()),  # issue 15
     ]
     for k, v in rows:
         typer.echo(f"{k:<17} {v}")
 
 
-def main():
-    """Console entry point: fast BLAS re-exec, then the app; internal errors exit 1 in one line."""
-    from .blas import maybe_reexec
+def _config_defaults(command) -> dict:
+    """$JUSTFIT_HOME/config.toml as click's default_map (below flags and env vars); a bad file is a user error."""
+    from .userconfig import default_map
 
-    maybe_reexec(sys.argv)
     try:
-        rc = app(standalone_mode=False, prog_name="justfit")
+        return default_map(command)
+    except UserError as e:
+        typer.echo(f"justfit: error: {e}", err=True)
+        sys.exit(2)
+
+
+def main():
+    """Console entry point (OpenBLAS is already loaded by `import justfit`); internal errors exit 1 in one line."""
+    try:
+        command = typer.main.get_command(app)
+        rc = command.main(prog_name="justfit", standalone_mode=False, default_map=_config_defaults(command))
     except KeyboardInterrupt:
         sys.exit(130)
     except typer.Exit as e:

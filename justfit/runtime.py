@@ -1,99 +1,82 @@
-"""Runtime: owns the model, its KV caches and (later) sessions and residency; generates text."""
+"""Runtime: owns the model, its page pool and prefix index, residency and drafter; runs turns.
 
-import time
-from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Union
+Every turn goes tokens -> prefix lookup (statetrans) -> the one generation path (generation.py) over a
+KVExec cache -> pages published for the next prompt. Fronts (chat, sessions, agents, benches, the
+server) call `stream`/`generate`/`stream_tokens`; none has a loop of its own.
+"""
+
+from typing import Callable, Iterator, List, Optional, Tuple, Union
 
 from .config import KVConfig, home as home_dir
 from .errors import UserError
+from .generation import Sampling, prefill, stream_turn
+from .turns import Chunk, Generation, TurnStats
 
-Prompt = Union[str, List[dict]]
+Prompt = Union[str, List[dict], List[int]]
+Steering = Callable[[int, int], Tuple[int, Optional[str]]]
 
-
-@dataclass
-class Chunk:
-    """One streamed piece: the new text (may be empty mid-character) and the token id
-    (-1 for the final flush of text held back by the detokenizer)."""
-
-    text: str
-    token: int
-
-
-@dataclass
-class Generation:
-    """A finished generation: text, token ids and stats (prompt_tokens, reused_tokens, prefill_s,
-    ttft_s, decode_tok_s, peak_memory_bytes, generated_tokens, finish_reason)."""
-
-    text: str
-    tokens: List[int]
-    stats: dict = field(default_factory=dict)
-
-
-def _check_budget(memory_budget):
-    """Bytes (int) or a fraction of physical memory (0 < float <= 1); None means no budget."""
-    if memory_budget is None:
-        return None
-    if isinstance(memory_budget, float) and 0 < memory_budget <= 1:
-        import psutil
-
-        return int(memory_budget * psutil.virtual_memory().total)
-    if isinstance(memory_budget, int) and memory_budget > 0:
-        return memory_budget
-    raise UserError(f"memory_budget must be bytes > 0 or a fraction in (0, 1], not {memory_budget!r}")
+__all__ = ["Runtime", "Chunk", "Generation", "TurnStats", "Prompt"]
 
 
 class Runtime:
-    """A loaded model plus its KV configuration; generate() and stream() run one turn each."""
+    """A loaded model plus everything a turn needs; generate() and stream() run one turn each.
+
+    steering: optional decode-budget policy `(context_tokens, max_tokens) -> (reserved, note)`, e.g.
+    `justfit.probe.maps.RegimeSteering` built from this device's probe map."""
 
     def __init__(self, model="default", kv: Optional[KVConfig] = None, memory_budget=None, home=None,
-                 avoid_regimes: bool = False, draft_model=None):
+                 steering: Optional[Steering] = None, draft_model=None, drafter: str = "prompt-lookup"):
         from .models import load
-        from .phaseswap.attach import attach
+        from .phaseswap.attach import build_residency, make_drafter
+        from .phaseswap.budget import budget_from_env, parse_budget
+        from .statetrans.index import make_index
 
         self.kv = kv or KVConfig()
         self.home = home_dir(home)
-        self.memory_budget = _check_budget(memory_budget)
-        self.avoid_regimes = avoid_regimes
+        self.memory_budget = parse_budget(memory_budget) if memory_budget is not None else budget_from_env()
+        self.steering = steering
         self.model_spec = model
         self.model, self.tokenizer = load(model, home=self.home)
-        self.last_stats: dict = {}
-        attach(self, draft_model)  # PhaseSwap: self.phaseswap (residency manager), self.drafter
+        self.phaseswap = build_residency(self.model, self.memory_budget, self.home)
+        self.drafter, self.gate = make_drafter(self.phaseswap, self.tokenizer, self.home, draft_model, drafter)
+        self.index = make_index(self.model, self.tokenizer, self.kv, self.home)
+        self.last_stats = TurnStats()
 
     # -- tokens -------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> List[int]:
-        """Token ids of a prompt: messages (or a plain string as one user message) through the
-        chat template when the tokenizer has one, else the raw text."""
-        if isinstance(prompt, str):
-            messages = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
-            messages = prompt
-        else:
-            raise UserError("prompt must be a string or a list of {'role', 'content'} messages")
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return list(tok.encode(text, add_special_tokens=False))
-        text = "\n".join(m.get("content", "") for m in messages)
-        return list(tok.encode(text))
+    def encode(self, prompt: Prompt, add_generation_prompt: bool = True) -> List[int]:
+        """Token ids of a prompt: raw ids pass through; messages (a string is one user message) go
+        through the chat template. The one renderer: chat, sessions and agents all call it."""
+        from .models.chat import render_chat
 
-    def make_cache(self) -> list:
-        """Per-layer KV caches (KVExec) usable by mlx_lm.generate(..., prompt_cache=caches)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not (isinstance(messages, list) and messages
+                and all(isinstance(m, dict) and "role" in m for m in messages)):
+            raise UserError("prompt must be a string, a non-empty list of {'role', 'content'} messages or token ids")
+        return render_chat(self.tokenizer, messages, add_generation_prompt)
+
+    def make_cache(self, resident: bool = True) -> list:
+        """Per-layer KV caches (KVExec, on this runtime's page pool) usable by mlx_lm.generate(...,
+        prompt_cache=caches). Weights released by a tool phase come back first unless resident=False
+        (turns enter their own phases)."""
         from .kvexec import make_cache
 
-        return make_cache(self.model, self.kv, pool=self.prefix_index().pool)
+        if resident:
+            self.ensure_resident()
+        return make_cache(self.model, self.kv, pool=self.index.pool)
 
-    def prefix_index(self):
-        """StateTrans prefix index (shared page pool + page store) of this runtime, made on first use."""
-        if getattr(self, "_prefix_index", None) is None:
-            from .statetrans.index import PrefixIndex
+    def ensure_resident(self):
+        """Bring released weights back now: for callers that use `rt.model` outside a turn."""
+        self.phaseswap.enter("resident")
 
-            self._prefix_index = PrefixIndex.for_runtime(self)
-        return self._prefix_index
+    def session(self, name: Optional[str], **options):
+        """Create or resume the named StateTrans session (persisted under JUSTFIT_HOME/sessions);
+        name=None gives an in-memory session (shares pages the same way, writes nothing)."""
+        from .statetrans.session import Session
 
-    def session(self, name: str, **options):
-        """Create or resume the named StateTrans session (persisted under JUSTFIT_HOME/sessions)."""
-        from .statetrans import Session
-
+        if name is None:
+            return Session(self, None, persist=False, **options)
         return Session.open(self, name, **options)
 
     # -- residency (PhaseSwap) ----------------------------------------------------------------
@@ -105,77 +88,66 @@ class Runtime:
         """`with rt.tool_phase():` releases weights and KV while a tool runs; reloads on the next turn."""
         from .phaseswap.toolphase import tool_phase
 
-        return tool_phase(self, session)
+        return tool_phase(self.phaseswap, self.model, session)
+
+    def register_kv(self, name: str, caches, nbytes: Callable[[], int], release: Callable[[], None],
+                    checkpointed: Callable[[], bool]):
+        """Make a session's KV a PhaseSwap component: a tool phase calls release() (pages already on disk
+        become lazy loaders), phases that run on `caches` lease it, nothing is loaded eagerly."""
+        from .phaseswap.components import Component
+
+        self.phaseswap.add_kv(Component(name, "kv", nbytes, load=lambda: None, unload=release, roles=("kv",),
+                                        checkpointed=checkpointed), caches)
+
+    def unregister_kv(self, name: str):
+        self.phaseswap.remove(name)
+
+    def set_drafter(self, name: str):
+        """Switch drafting: 'none' or 'prompt-lookup' (a draft model is given at construction)."""
+        from .phaseswap.drafting import Gate, PromptLookup
+
+        if name not in ("none", "prompt-lookup"):
+            raise UserError(f"drafter must be 'none' or 'prompt-lookup', not {name!r}")
+        self.drafter, self.gate = (PromptLookup() if name == "prompt-lookup" else None), Gate()
 
     # -- generation ---------------------------------------------------------------------------
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
-               seed: Optional[int] = None, top_p: float = 1.0) -> Iterator[Chunk]:
-        """Yield Chunks as tokens are generated; stats of the turn land in self.last_stats."""
-        from .statetrans.reuse import stream_reusing_prefix
+               seed: Optional[int] = None, top_p: float = 1.0, **options) -> Iterator[Chunk]:
+        """Yield Chunks as tokens are generated, reusing the longest cached prefix of the prompt
+        (token-exact). options: top_k, min_p, repetition_penalty, stop, logit_bias, logits_processors,
+        constraint, progress. Stats of the turn land in self.last_stats."""
+        from .statetrans.reuse import reusing_prefix
 
-        yield from stream_reusing_prefix(self, self.encode(prompt), max_tokens, temperature, seed, top_p)
+        tokens = self.encode(prompt)
+        progress = options.pop("progress", None)
+        sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed, **options)
+        with reusing_prefix(self.index, self.make_cache(resident=False), tokens) as (cache, reused, fed):
+            yield from self.stream_tokens(tokens, cache, max_tokens, sampling=sampling, reused_tokens=reused,
+                                          progress=progress, fed=fed)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
-                 seed: Optional[int] = None, top_p: float = 1.0) -> Generation:
+                 seed: Optional[int] = None, top_p: float = 1.0, **options) -> Generation:
         """Generate a whole reply; same arguments as stream()."""
-        chunks = list(self.stream(prompt, max_tokens, temperature, seed, top_p))
-        tokens = [c.token for c in chunks if c.token >= 0]
-        return Generation("".join(c.text for c in chunks), tokens, dict(self.last_stats))
-
-    def _steer(self, context_tokens: int, max_tokens: int, stats: dict) -> int:
-        """With avoid_regimes, the decode budget the device's probe map says is safe (>= max_tokens)."""
-        if not self.avoid_regimes:
-            return max_tokens
-        from .probe.maps import steer_runtime
-
-        reserved, note = steer_runtime(self, context_tokens, max_tokens)
-        stats.update(requested_max_tokens=max_tokens, reserved_max_tokens=reserved, steer_note=note)
-        return max(reserved, max_tokens)
+        chunks = list(self.stream(prompt, max_tokens, temperature, seed, top_p, **options))
+        return Generation("".join(c.text for c in chunks), [c.token for c in chunks if c.token >= 0],
+                          self.last_stats)
 
     def stream_tokens(self, tokens: List[int], cache: list, max_tokens: int = 256,
                       temperature: float = 0.0, seed: Optional[int] = None, top_p: float = 1.0,
-                      reused_tokens: int = 0) -> Iterator[Chunk]:
-        """Prefill `tokens` not yet in `cache` (all but the first `reused_tokens`) then decode."""
-        import mlx.core as mx
-        from mlx_lm.sample_utils import make_sampler
+                      reused_tokens: int = 0, sampling: Optional[Sampling] = None,
+                      progress: Optional[Callable] = None, fed: Optional[List[int]] = None,
+                      **options) -> Iterator[Chunk]:
+        """Prefill `tokens` not yet in `cache` (all but the first `reused_tokens`) then decode; `fed`
+        receives the generated ids the cache holds afterwards (the end-of-turn id included)."""
+        sampling = sampling or Sampling(temperature=temperature, top_p=top_p, seed=seed, **options)
+        self.last_stats = stats = TurnStats()
+        yield from stream_turn(self.model, self.tokenizer, tokens, cache, reused_tokens, max_tokens, sampling,
+                               stats, self.phaseswap, self.drafter, self.gate, self.steering, progress, fed)
 
-        from .phaseswap.attach import turn_steps
-
-        if max_tokens < 1:
-            raise UserError(f"max_tokens must be at least 1, not {max_tokens}")
-        if not 0 <= reused_tokens < len(tokens):
-            raise ValueError("reused_tokens must leave at least one token to prefill")
-        if seed is not None:
-            mx.random.seed(seed)
-        sampler = make_sampler(temp=temperature, top_p=top_p)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        eos = set(self.tokenizer.eos_token_ids)
-        stats = {"prompt_tokens": len(tokens), "reused_tokens": reused_tokens, "generated_tokens": 0,
-                 "finish_reason": "length"}
-        self.last_stats = stats
-        mx.reset_peak_memory()
-        start = time.perf_counter()
-        budget = self._steer(len(tokens), max_tokens, stats)
-        steps = turn_steps(self, tokens, cache, reused_tokens, budget, sampler, temperature == 0, eos, stats)
-        first = None
-        for n, (token, _) in enumerate(steps):
-            if n >= max_tokens:  # a steered budget reserves more; the user's limit still stops us
-                break
-            if first is None:
-                first = time.perf_counter()
-                stats["ttft_s"] = stats["prefill_s"] = first - start
-            if token in eos:
-                stats["finish_reason"] = "stop"
-                break
-            stats["generated_tokens"] = n + 1
-            detok.add_token(token)
-            elapsed = time.perf_counter() - first
-            stats["decode_tok_s"] = n / elapsed if n else 0.0
-            stats["peak_memory_bytes"] = mx.get_peak_memory()
-            yield Chunk(detok.last_segment, token)
-        steps.close()  # back to the idle phase now, not when the generator is collected
-        detok.finalize()
-        stats["peak_memory_bytes"] = mx.get_peak_memory()
-        if detok.last_segment:
-            yield Chunk(detok.last_segment, -1)
+    def prefill(self, tokens: List[int], cache: list, progress: Optional[Callable] = None,
+                after_chunk: Optional[Callable] = None, step: Optional[int] = None) -> float:
+        """Put `tokens` (the ones after what `cache` holds) into the cache, weights resident; no decode."""
+        kwargs = {"step": step} if step else {}
+        reload_s = prefill(self.model, cache, tokens, self.phaseswap, progress, after_chunk=after_chunk, **kwargs)
+        self.phaseswap.enter("idle")
+        return reload_s

@@ -1,6 +1,8 @@
 """Shared helpers for the agent tests: the import path and a tiny random-weight runtime that uses
 the real SmolLM2 tokenizer (so grammars and templates are the real ones, but steps take ms)."""
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -9,33 +11,39 @@ if str(AGENTS) not in sys.path:
     sys.path.insert(0, str(AGENTS))
 
 
-class TinyRuntime:
-    """What Agent needs from a Runtime: model, tokenizer, make_cache(), home."""
+def tiny_model_folder(model_dir, root, seed: int = 0) -> Path:
+    """An mlx-lm folder: a 2-layer random llama (float32) with the default model's tokenizer files."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
 
-    def __init__(self, model_dir, home, seed: int = 0):
-        import mlx.core as mx
-        from mlx_lm.models import llama
-        from mlx_lm.utils import load_tokenizer
+    folder = Path(root) / f"tiny-agent-{seed}"
+    if (folder / "config.json").exists():
+        return folder
+    mx.random.seed(seed)
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=49152,
+                  head_dim=16, tie_word_embeddings=True, rope_theta=10000.0)
+    model = llama.Model(llama.ModelArgs(**config))
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    for f in Path(model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
-        mx.random.seed(seed)
-        args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                               vocab_size=49152, head_dim=16, tie_word_embeddings=True)
-        self.model = llama.Model(args)
-        mx.eval(self.model.parameters())
-        self.model.justfit_path = f"tiny-random-{seed}"
-        self.tokenizer = load_tokenizer(Path(model_dir))
-        self.home = Path(home)
-        self.phases = 0
 
-    def make_cache(self):
-        from mlx_lm.models.cache import make_prompt_cache
+def TinyRuntime(model_dir, home, seed: int = 0):
+    """A real justfit.Runtime over the tiny model, counting the tool phases agents enter (rt.phases)."""
+    import justfit
 
-        return make_prompt_cache(self.model)
+    class Counting(justfit.Runtime):
+        phases = 0
 
-    def tool_phase(self):
-        """Counts tool phases so tests can see each tool ran inside one."""
-        import contextlib
+        def tool_phase(self, session=None):
+            self.phases += 1
+            return super().tool_phase(session)
 
-        self.phases += 1
-        return contextlib.nullcontext()
+    folder = tiny_model_folder(model_dir, Path(home) / "models", seed)
+    return Counting(model=str(folder), kv=justfit.KVConfig(bits=16), home=home)

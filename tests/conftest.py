@@ -6,21 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from justfit.blas import maybe_reexec
+import justfit  # (loads OpenBLAS before any test imports MLX: see justfit/blas.py)
 
-
-
-def pytest_configure(config):
-    """Re-run the suite with the BLAS the CLI uses (OpenBLAS preloaded where available: ~16x
-    faster prefill); output capture is suspended first so the new process writes to the terminal."""
-    if Path(sys.argv[0]).name not in ("pytest", "py.test", "__main__.py"):
-        return
-    capman = config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
-        capman.suspend_global_capture(in_=True)
-    maybe_reexec(sys.argv, module="pytest")
-    if capman is not None:
-        capman.resume_global_capture()
 
 # Test helper modules (statetrans_util, gguf_writer, ...) import by bare name from this folder.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -47,6 +34,4 @@ def default_model_dir(test_home) -> Path:
 @pytest.fixture(scope="session")
 def runtime16(default_model_dir, test_home):
     """The real default model with a full-precision KV cache (the exactness reference)."""
-    import justfit
-
     return justfit.Runtime(model=str(default_model_dir), kv=justfit.KVConfig(bits=16), home=test_home)

@@ -3,7 +3,7 @@ validate across seeds with tool_choice="required", and later seeds reuse the sha
 
 from . import agents_support  # noqa: F401
 from justfit_agents import Agent
-from justfit_agents.grammar import validate
+from justfit.grammar import validate
 
 
 def convert(amount: float, unit: str) -> str:
@@ -23,12 +23,12 @@ def test_required_calls_parse_and_validate_on_default_model(runtime16):
                   seed=seed, max_string=12, max_tokens=64)
         r = a.run("How many metres are 12 feet?")
         step = r.steps[0]
-        assert step.call is not None and step.stats["finish_reason"] == "grammar", step.text
+        assert step.call is not None and step.stats.finish_reason == "stop", step.text
         schema = {**a.tools[step.call.name].parameters, "additionalProperties": False}
         assert validate(step.call.arguments, schema) == [], step.text
         seen.add(step.text)
         if seed:
-            assert step.stats["prefilled_tokens"] <= 1  # same system prompt + task: from the prefix pool
+            assert step.stats.prefilled_tokens <= 1  # same system prompt + task: from the prefix pool
     assert len(seen) > 1  # sampling really varied, so the grammar held on different paths
 
 
@@ -42,7 +42,7 @@ system = "You are a careful assistant. Answer in one short sentence. " * 30  # >
 a = Agent(rt, system=system, session="resume", tool_choice={{"name": "final_answer"}}, max_steps=1, max_string=8, max_tokens=32)
 restored = len(a.messages)
 r = a.run(sys.argv[1])
-print(json.dumps({{"state": type(a.state).__name__, "restored": restored, "stats": r.steps[0].stats}}))
+print(json.dumps({{"persisted": a.state.session.persist, "restored": restored, "stats": r.steps[0].stats.as_dict()}}))
 """
 
 
@@ -58,7 +58,7 @@ def test_statetrans_session_resumes_after_restart(default_model_dir, tmp_path):
     run = lambda task: json.loads(subprocess.run([sys.executable, str(script), task], capture_output=True,  # noqa: E731
                                                  text=True, check=True).stdout.strip().splitlines()[-1])
     first = run("Say hi.")
-    assert first["state"] == "SessionState" and first["restored"] == 1 and first["stats"]["reused_tokens"] == 0
+    assert first["persisted"] and first["restored"] == 1 and first["stats"]["reused_tokens"] == 0
     second = run("Say bye.")
     assert second["restored"] == 4  # system, task, call, result came back from the session manifest
     # its sealed pages came back too: at least one full 256-token page is not prefilled again

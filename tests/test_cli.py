@@ -57,8 +57,10 @@ def test_chat_repl_commands_via_stdin_script(default_model_dir, test_home):
     # Not a TTY, so piped stdin is one prompt; the REPL itself is driven directly.
     from justfit.chat import repl
 
+    from justfit.turns import TurnStats
+
     class FakeRT:
-        last_stats = {}
+        last_stats = TurnStats()
 
         def stream(self, messages, **opts):
             from justfit.runtime import Chunk

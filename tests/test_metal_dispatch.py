@@ -43,7 +43,9 @@ def test_reference_attention_equals_plain_softmax_attention():
     # tokens, with GQA and a partial last page, computed here independently in numpy.
     q, kp, vp, table, q_len, kr, vr, kw = case("affine", mx.float32, 64, 1, 3, 1, 32)
     got = np.array(mk.paged_attention(q, kp, vp, table, q_len, kr, vr, backend="reference", **kw))
-    deq = lambda p: np.array(ref.dequant_affine(*p, table, 32, 4, mx.float32))[:, :q_len]
+    def deq(p):
+        return np.array(ref.dequant_affine(*p, table, 32, 4, mx.float32))[:, :q_len]
+
     k = np.concatenate([deq(kp), np.array(kr)], axis=1)[0]
     v = np.concatenate([deq(vp), np.array(vr)], axis=1)[0]
     for h in range(3):

@@ -29,7 +29,7 @@ def reference_logits(cfg: dict, w: dict, ids: list) -> np.ndarray:
     T = len(ids)
     mask = np.triu(np.full((T, T), -np.inf), 1)
     for i in range(cfg["num_hidden_layers"]):
-        p = lambda n: w[f"model.layers.{i}.{n}.weight"].astype(np.float64)  # noqa: E731
+        p = lambda n, i=i: w[f"model.layers.{i}.{n}.weight"].astype(np.float64)  # noqa: E731
         h = _rms(x, p("input_layernorm"), eps)
         q = _rope((h @ p("self_attn.q_proj").T).reshape(T, H, D).transpose(1, 0, 2), theta)
         k = _rope((h @ p("self_attn.k_proj").T).reshape(T, KV, D).transpose(1, 0, 2), theta)
@@ -92,4 +92,4 @@ def test_spm_tokenizer_gguf_loads_and_generates(tmp_path):
     out = rt.generate("the quick brown fox", max_tokens=4)
     ref = [t for t, _ in generate_step(mx.array(ids), rt.model, max_tokens=4)]
     assert out.tokens == ref[: len(out.tokens)]
-    assert len(out.tokens) == 4 or out.stats["finish_reason"] == "stop"
+    assert len(out.tokens) == 4 or out.stats.finish_reason == "stop"

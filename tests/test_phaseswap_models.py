@@ -12,7 +12,7 @@ from justfit.kvexec import make_cache
 from justfit.config import KVConfig
 from justfit.phaseswap import Budget, Residency
 from justfit.phaseswap.components import model_components, tied_embeddings
-from justfit.phaseswap.decode import phased_steps
+from justfit.generation import Sampling, token_steps
 from justfit.phaseswap.drafting import DraftModel, Gate, PromptLookup
 
 
@@ -85,8 +85,8 @@ def run(model, prompt, max_tokens, drafter=None, kv=None, counts=None, gate=None
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(model)
-    toks = [t for t, _ in phased_steps(model, prompt, cache, None, max_tokens, drafter=drafter,
-                                       gate=gate, counts=counts)]
+    toks = list(token_steps(model, prompt, cache, Sampling(), max_tokens, drafter=drafter, gate=gate,
+                            counts=counts))
     assert cache[0].offset == len(prompt) + len(toks)  # cache = prompt + every yielded token
     return toks
 

@@ -5,7 +5,6 @@ import mlx.core as mx
 import pytest
 
 from justfit.errors import MemoryBudgetError
-from justfit.phaseswap.attach import add_cache, set_drafter
 
 FILE = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
 PROMPT = f"Here is shapes.py:\n```python\n{FILE}```\nRepeat shapes.py exactly."
@@ -14,7 +13,7 @@ PROMPT = f"Here is shapes.py:\n```python\n{FILE}```\nRepeat shapes.py exactly."
 @pytest.fixture
 def rt(runtime16):
     yield runtime16
-    set_drafter(runtime16, "prompt-lookup")
+    runtime16.set_drafter("prompt-lookup")
     runtime16.phaseswap.budget.limit = None
     runtime16.phaseswap.enter("idle")
 
@@ -25,7 +24,7 @@ def two_turns(rt, release: bool):
     first = rt.encode(PROMPT)
     out1 = [c.token for c in rt.stream_tokens(first, cache, max_tokens=6) if c.token >= 0]
     name = f"kv:test-{release}"
-    add_cache(rt, name, cache)
+    rt.phaseswap.add_cache(name, cache, rt.home / "spill")
     released = active = 0
     if release:
         before = mx.get_active_memory()
@@ -36,13 +35,13 @@ def two_turns(rt, release: bool):
     second = first + out1 + rt.tokenizer.encode("\nThanks. Now only the first line:", add_special_tokens=False)
     out2 = [c.token for c in rt.stream_tokens(second, cache, max_tokens=6, reused_tokens=cache[0].offset)
             if c.token >= 0]
-    stats = dict(rt.last_stats)
+    stats = rt.last_stats.as_dict()
     rt.phaseswap.remove(name)
     return out1, out2, released, active, stats
 
 
 def test_tool_phase_release_then_bit_identical_continuation(rt):
-    set_drafter(rt, "none")
+    rt.set_drafter("none")
     ref = two_turns(rt, release=False)
     weights = sum(c.size() for c in rt.phaseswap.components.values())
     got = two_turns(rt, release=True)
@@ -54,13 +53,13 @@ def test_tool_phase_release_then_bit_identical_continuation(rt):
 
 
 def test_speculative_greedy_equals_plain_on_default_model(rt):
-    set_drafter(rt, "none")
+    rt.set_drafter("none")
     plain = rt.generate(PROMPT, max_tokens=24)
-    set_drafter(rt, "prompt-lookup")
+    rt.set_drafter("prompt-lookup")
     spec = rt.generate(PROMPT, max_tokens=24)
-    s = spec.stats
+    s = spec.stats.as_dict()
     print(f"\nprompt-lookup on the default model: {s['accepted_tokens']}/{s['drafted_tokens']} accepted "
-          f"in {s['draft_passes']} passes; plain {plain.stats['decode_tok_s']:.1f} tok/s, "
+          f"in {s['draft_passes']} passes; plain {plain.stats.decode_tok_s:.1f} tok/s, "
           f"speculative {s['decode_tok_s']:.1f} tok/s")
     assert spec.tokens == plain.tokens
     assert s["drafter"] == "prompt-lookup" and s["drafted_tokens"] > 0 and s["accepted_tokens"] > 0

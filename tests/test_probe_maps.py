@@ -67,20 +67,21 @@ def test_map_saved_for_a_runtimes_key_steers_that_runtime(runtime16, tmp_path):
     assert maps.steer_runtime(other, 40, 500) == (500, None)  # another KV config has no map
 
 
-def test_runtime_with_avoid_regimes_reserves_a_steered_budget_and_stops_at_the_users_limit(runtime16):
+def test_runtime_with_steering_reserves_a_steered_budget_and_stops_at_the_users_limit(runtime16, default_model_dir):
+    import justfit
     from justfit.probe.backends import mlx_device
 
     rep = synthetic_report(budgets=range(2, 33, 2), plateau=(6, 12, 6.0))
     rep.update(device=mlx_device(), backend="mlx", model=runtime16.model_spec, kv_config=runtime16.kv.name)
     path = maps.save_map(rep, runtime16.home)
     try:
-        runtime16.avoid_regimes = True
-        g = runtime16.generate("Count from one to fifty in words.", max_tokens=8)
-        runtime16.avoid_regimes = False
+        policy = maps.RegimeSteering(runtime16.model_spec, runtime16.kv, home=runtime16.home)
+        steered = justfit.Runtime(model=runtime16.model_spec, kv=runtime16.kv, home=runtime16.home,
+                                  steering=policy)
+        g = steered.generate("Count from one to fifty in words.", max_tokens=8)
         ref = runtime16.generate("Count from one to fifty in words.", max_tokens=8)
     finally:
-        runtime16.avoid_regimes = False
         path.unlink()
-    assert g.stats["requested_max_tokens"] == 8 and g.stats["reserved_max_tokens"] > 8
-    assert g.stats["steer_note"]
+    assert g.stats.requested_max_tokens == 8 and g.stats.reserved_max_tokens > 8
+    assert g.stats.steer_note
     assert len(g.tokens) <= 8 and g.tokens == ref.tokens

@@ -131,3 +131,53 @@ def test_cli_module_does_not_import_mlx_and_compare_runs(tmp_path):
     assert "anomalous intervals:" in res.output and (tmp_path / "c" / "compare.png").exists()
     res = CliRunner().invoke(app, ["--budgets", "1:2"])
     assert isinstance(res.exception, UserError)
+
+
+def test_without_matplotlib_json_and_csv_are_written_and_the_hint_given(tmp_path, monkeypatch):
+    """matplotlib is the [plot] extra: without it the probe still writes its data and says how to draw."""
+    import justfit.probe.plot as plot
+    from justfit.probe.cli import write_outputs
+
+    monkeypatch.setattr(plot, "have_matplotlib", lambda: False)
+    text = write_outputs(synthetic_report(), tmp_path / "out", save_map=False)
+    assert (tmp_path / "out" / "probe.json").is_file() and (tmp_path / "out" / "probe.csv").is_file()
+    assert not (tmp_path / "out" / "probe.png").exists()
+    assert "pip install 'justfit[plot]'" in text and "--plot" in text
+
+
+def test_plot_from_an_existing_probe_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from justfit.cli import app
+
+    report.write_json(synthetic_report(), tmp_path / "probe.json")
+    r = CliRunner().invoke(app, ["probe", "--plot", str(tmp_path / "probe.json"), "--out", str(tmp_path / "pics")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "pics" / "probe.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _torch_extra_missing() -> str:
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers", "accelerate", "gguf") if importlib.util.find_spec(m) is None]
+    return f"the [torch] extra is not installed (missing: {', '.join(missing)}): pip install 'justfit[torch]'" if missing else ""
+
+
+@pytest.mark.skipif(bool(_torch_extra_missing()), reason=_torch_extra_missing() or "n/a")
+def test_torch_backend_sweeps_a_gguf_through_transformers(tmp_path):
+    """The torch backend loads a GGUF with transformers (as it does the default model) and times it."""
+    from gguf_writer import write_tiny_llama_gguf
+
+    from justfit.probe.backends import make_backend
+    from justfit.probe.report import build_report
+    from justfit.probe.sweep import run_sweep
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(gguf, "F32", layers=2)
+    be = make_backend("torch", str(gguf), "cpu")
+    assert be.device["kind"] == "cpu" and be.versions()["torch"].startswith("2.13")
+    records = run_sweep(be, [2, 4], [8], ["on", "off"], warmup=0, repeats=1)
+    assert {(r["kv"], r["budget"]) for r in records} == {("on", 2), ("on", 4), ("off", 2), ("off", 4)}
+    rep = build_report(be, records, {"budgets": [2, 4], "contexts": [8], "kv": ["on", "off"], "warmup": 0,
+                                     "repeats": 1, "step_runs": 1, "seed": 42, "refined": []})
+    assert rep["summary"] and all(r["median_s"] > 0 for r in rep["summary"])

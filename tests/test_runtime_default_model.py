@@ -6,8 +6,8 @@ import pytest
 def test_greedy_answer_names_paris(runtime16):
     g = runtime16.generate("What is the capital of France?", max_tokens=16, temperature=0.0)
     assert "Paris" in g.text
-    assert g.stats["prompt_tokens"] > 10
-    assert g.stats["ttft_s"] > 0 and g.stats["peak_memory_bytes"] > 0
+    assert g.stats.prompt_tokens > 10
+    assert g.stats.ttft_s > 0 and g.stats.peak_memory_bytes > 0
 
 
 def test_chat_template_is_applied(runtime16):
@@ -22,8 +22,8 @@ def test_chat_template_is_applied(runtime16):
 
 def test_eos_stops_generation(runtime16):
     g = runtime16.generate("Say just the word yes.", max_tokens=64)
-    assert g.stats["finish_reason"] == "stop"
-    assert g.stats["generated_tokens"] < 64
+    assert g.stats.finish_reason == "stop"
+    assert g.stats.generated_tokens < 64
     assert runtime16.tokenizer.eos_token_id not in g.tokens
 
 
@@ -37,7 +37,7 @@ def test_stream_matches_generate(runtime16):
 
 def test_max_tokens_bounds_the_reply(runtime16):
     g = runtime16.generate("Count from one to one hundred in words.", max_tokens=5)
-    assert len(g.tokens) == 5 and g.stats["finish_reason"] == "length"
+    assert len(g.tokens) == 5 and g.stats.finish_reason == "length"
 
 
 def test_bad_prompt_is_a_user_error(runtime16):

@@ -20,7 +20,7 @@ def _saved(folder, home):
     s.close()
     m = read_manifest(home, "hist")
     assert len(m.pages) >= 4
-    return m, rt.prefix_index().store
+    return m, rt.index.store
 
 
 def _truncate(p):
@@ -52,7 +52,7 @@ def test_damaged_page_warns_and_recomputes(folder, tmp_path, capfd, damage):
     assert len(err) == 1 and "warning" in err[0] and "page 3 of" in err[0] and "recomputing" in err[0]
     assert s.tokens == m.tokens and s.kv_tokens == 2 * PAGE               # history kept, pages 1-2 restored
     g = s.generate("continue", max_tokens=3)
-    assert g.stats["reused_tokens"] == 2 * PAGE and s.tokens[:len(m.tokens)] == m.tokens
+    assert g.stats.reused_tokens == 2 * PAGE and s.tokens[:len(m.tokens)] == m.tokens
     s.close()
     capfd.readouterr()
     again = runtime(folder, home).session("hist")                        # the page was written again

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from statetrans_crash_writer import P, PAGES_PER_TURN, page, store_of, tokens
+from statetrans_crash_writer import P, PAGES_PER_TURN, store_of, tokens
 
 from justfit.statetrans.hashing import block_hashes
 from justfit.statetrans.manifest import read_manifest

@@ -32,28 +32,30 @@ def test_turns_append_history_and_reuse_it(rt):
     s = rt.session("agent")
     g1 = s.generate(WORDS * 3, max_tokens=6)
     first, kv1 = list(s.tokens), s.kv_tokens
-    assert g1.stats["reused_tokens"] == 0 and kv1 > 0.9 * len(first)
+    assert g1.stats.reused_tokens == 0 and kv1 > 0.9 * len(first)
     g2 = s.generate("and then what happened", max_tokens=6)
     assert s.tokens[:len(first)] == first                      # the turn was appended, not re-rendered
-    assert g2.stats["reused_tokens"] == kv1                     # nothing of turn 1 was prefilled again
-    assert g2.stats["prompt_tokens"] - g2.stats["reused_tokens"] < 0.25 * g2.stats["prompt_tokens"]
+    assert g2.stats.reused_tokens == kv1                     # nothing of turn 1 was prefilled again
+    assert g2.stats.prompt_tokens - g2.stats.reused_tokens < 0.25 * g2.stats.prompt_tokens
     assert [m["role"] for m in s.messages] == ["user", "assistant", "user", "assistant"]
-    assert g2.stats["checkpoint_s"] >= 0 and g2.stats["history_tokens"] == len(s.tokens)
+    assert g2.stats.checkpoint_s >= 0 and g2.stats.history_tokens == len(s.tokens)
 
 
 def test_plain_generate_reuses_longest_cached_prefix(rt, folder, home):
     prompt = WORDS * 4
     a = rt.generate(prompt, max_tokens=3)
-    n = a.stats["prompt_tokens"]
+    n = a.stats.prompt_tokens
     b = rt.generate(prompt, max_tokens=3)
-    assert a.stats["reused_tokens"] == 0
-    assert b.stats["reused_tokens"] == (n - 1) // PAGE * PAGE > 0
+    assert a.stats.reused_tokens == 0
+    assert b.stats.reused_tokens == n - 1                                # token-exact: all but the last token
     assert b.tokens == a.tokens
-    c = rt.generate(prompt + " but a different ending", max_tokens=3)   # shares the full pages before the edit
-    assert c.stats["reused_tokens"] >= (n - 8) // PAGE * PAGE - PAGE
-    fresh = runtime(folder, home)                                       # new pool: the pages come from disk
+    edited = prompt + " but a different ending"
+    same = next(i for i, (x, y) in enumerate(zip(rt.encode(prompt), rt.encode(edited))) if x != y)
+    c = rt.generate(edited, max_tokens=3)                                # shares every token before the edit
+    assert c.stats.reused_tokens == same > n - 20
+    fresh = runtime(folder, home)  # new pool: sealed pages come from disk (plain requests keep open pages in memory)
     d = fresh.generate(prompt, max_tokens=3)
-    assert d.stats["reused_tokens"] == b.stats["reused_tokens"] and d.tokens == a.tokens
+    assert d.stats.reused_tokens == (n - 1) // PAGE * PAGE > 0 and d.tokens == a.tokens
 
 
 def test_session_reuses_prefix_of_another_session(rt):
@@ -62,13 +64,13 @@ def test_session_reuses_prefix_of_another_session(rt):
     a.generate(system + [{"role": "user", "content": "task one"}], max_tokens=3)
     b = rt.session("b")
     g = b.generate(system + [{"role": "user", "content": "task two"}], max_tokens=3)
-    assert g.stats["reused_tokens"] >= PAGE * 3
+    assert g.stats.reused_tokens >= PAGE * 3
 
 
 def test_fork_shares_pages_without_copying(rt):
     s = rt.session("parent")
     s.generate(WORDS * 4, max_tokens=5)
-    pool = rt.prefix_index().pool
+    pool = rt.index.pool
     before = pool.nbytes
     c = s.fork("child")
     assert pool.nbytes == before                                        # no KV bytes for the fork itself
@@ -83,7 +85,7 @@ def test_fork_shares_pages_without_copying(rt):
     assert c.seq.table[:sealed] == s.seq.table[:sealed]                  # still the parent's pages
     kv = s.kv_tokens
     g = s.generate("parent goes on", max_tokens=3)                       # parent unaffected by the child
-    assert g.stats["reused_tokens"] == kv
+    assert g.stats.reused_tokens == kv
     with pytest.raises(UserError, match="already exists"):
         s.fork("child")
 
@@ -97,7 +99,7 @@ def test_rewind_drops_tokens_and_kv(rt):
     assert all(m["end"] <= len(s.tokens) for m in s.messages)
     g = s.generate(before[-40:-30], max_tokens=3)                        # raw token ids append as is
     assert s.tokens[:len(before) - 30] == before[:-30]
-    assert g.stats["reused_tokens"] == len(before) - 40
+    assert g.stats.reused_tokens == len(before) - 40
     with pytest.raises(UserError):
         s.rewind(10 ** 6)
 
@@ -109,13 +111,14 @@ rt = runtime(sys.argv[1] if len(sys.argv) > 1 else {folder!r}, {home!r})
 s = rt.session("keep")
 print("RESTORED", s.kv_tokens, len(s.tokens))
 g = s.generate("second question about the fox", max_tokens=8)
-print("REPLY", json.dumps(g.tokens), g.stats["reused_tokens"])
+print("REPLY", json.dumps(g.tokens), g.stats.reused_tokens)
 """
 
 
 def test_restore_after_restart_gives_identical_greedy_continuation(rt, folder, home):
     s = rt.session("keep")
     s.generate(WORDS * 3, max_tokens=6)
+    kv_before = s.kv_tokens
     s.close()
     ref = runtime(folder, home).session("ref-src")  # in-process reference: same turns, no restart
     ref.generate(WORDS * 3, max_tokens=6)
@@ -124,7 +127,7 @@ def test_restore_after_restart_gives_identical_greedy_continuation(rt, folder, h
     assert out.returncode == 0, out.stderr
     lines = dict(l.split(" ", 1) for l in out.stdout.splitlines() if l[:1].isupper())
     kv, n = map(int, lines["RESTORED"].split())
-    assert n == len(s.tokens) and kv == (n // PAGE) * PAGE
+    assert n == len(s.tokens) and kv == kv_before > (n // PAGE) * PAGE  # the open page came back too
     reply, reused = lines["REPLY"].rsplit(" ", 1)
     assert json.loads(reply) == expect and int(reused) >= kv
     assert "warning" not in out.stderr
@@ -172,7 +175,7 @@ def test_disk_full_is_a_clear_error_and_session_continues(rt, monkeypatch, capfd
     g2 = s.generate("more", max_tokens=3)
     err = capfd.readouterr().err
     assert err.count("No space left on device") == 1 and "continues in memory" in err
-    assert g2.stats["reused_tokens"] > 0 and g1.stats["disk_bytes_written"] == 0
+    assert g2.stats.reused_tokens > 0 and g1.stats.disk_bytes_written == 0
     with pytest.raises(UserError, match="No space left"):
         s.checkpoint()
     monkeypatch.undo()
@@ -199,6 +202,6 @@ def test_store_blocked_by_a_file_is_a_clear_error(rt, home, capfd):
     g = s.generate(WORDS, max_tokens=3)
     g2 = s.generate("again", max_tokens=3)
     assert "cannot write the session store" in capfd.readouterr().err
-    assert g.tokens and g2.stats["reused_tokens"] > 0
+    assert g.tokens and g2.stats.reused_tokens > 0
     with pytest.raises(UserError, match="cannot write the session store"):
         s.checkpoint()

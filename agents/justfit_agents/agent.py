@@ -4,10 +4,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
 
-from .grammar import Constraint, choice_name, lark_grammar
-from .state import open_state
-from .toolcalls import FINISH_TEXT, FINISH_TOOL, detect
-from .tools import Tool, as_tool, as_tools, call_tool, describe, truncate
+from justfit import TurnStats
+from justfit.grammar import Constraint, choice_name, lark_grammar
+from justfit.toolcalls import FINISH_TEXT, FINISH_TOOL, describe, detect
+
+from .state import AgentState
+from .tools import Tool, as_tool, as_tools, call_tool, truncate
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Use the tools to find facts; answer briefly."
 
@@ -36,7 +38,7 @@ class Step:
     index: int
     text: str
     call: Optional[ToolCall] = None
-    stats: dict = field(default_factory=dict)
+    stats: Optional[TurnStats] = None
 
 
 @dataclass
@@ -66,9 +68,9 @@ class Result:
         """Readable account of the run: one block per step with its token counts."""
         lines = []
         for s in self.steps:
-            st = s.stats
-            lines.append(f"--- step {s.index}  prompt {st.get('prompt_tokens', 0)} | reused {st.get('reused_tokens', 0)} "
-                         f"| prefilled {st.get('prefilled_tokens', 0)} | {st.get('turn_s', 0.0):.2f} s")
+            st = s.stats or TurnStats()
+            lines.append(f"--- step {s.index}  prompt {st.prompt_tokens} | reused {st.reused_tokens} "
+                         f"| prefilled {st.prefilled_tokens} | {st.turn_s:.2f} s")
             if s.call is not None:
                 lines.append(f"call {s.call.name}({_args(s.call.arguments)})")
                 lines.append("  -> " + s.call.result.replace("\n", "\n     "))
@@ -112,7 +114,7 @@ class Agent:
         self.prompt_tools: List[Tool] = _prompt_tools or list(self.tools.values())
         self.eos = set(getattr(runtime.tokenizer, "eos_token_ids", None) or [runtime.tokenizer.eos_token_id])
         self.n_vocab = _vocab_size(runtime.model)
-        self.state = _state or open_state(runtime, session)
+        self.state = _state or AgentState(runtime, session)
         self.messages = _messages
         if self.messages is None:
             self.messages = (self.state.resume() if session else None) or []
@@ -143,7 +145,7 @@ class Agent:
             step = self._model_step(len(self.history) + len(steps), choice, first=i == 0)
             steps.append(step)
             if step.call is None:
-                answer, stopped = step.text.strip(), "answer" if step.stats["finish_reason"] != "length" else "length"
+                answer, stopped = step.text.strip(), "answer" if step.stats.finish_reason != "length" else "length"
                 yield Event("answer", step.index, step.text, stats=step.stats)
                 break
             yield Event("call", step.index, step.text, step.call, step.stats)
@@ -176,7 +178,7 @@ class Agent:
         constraint = Constraint(self.rt.tokenizer, self.n_vocab, grammar) if grammar else None
         seed = None if self.seed is None else self.seed + index
         tokens = list(self.state.step(self.max_tokens, self.eos, self.temperature, self.top_p, constraint, seed))
-        stats = dict(self.state.stats)
+        stats = self.state.stats
         body = [t for t in tokens if t not in self.eos]
         text = self.rt.tokenizer.decode(body)
         self.messages.append({"role": "assistant", "content": text})
@@ -222,7 +224,10 @@ class Agent:
         """Fork, run `task` in the child, and (record=True) hand its answer back to this agent's
         conversation as the result of a spawn_agent call."""
         child = self.fork(tools=tools, **overrides)
-        result = child.run(self._subtask_text(task, child))
+        try:
+            result = child.run(self._subtask_text(task, child))
+        finally:
+            child.close()
         if record:
             self._record("spawn_agent", {"task": task}, _handback(result))
         return result
@@ -253,6 +258,10 @@ class Agent:
         """
         return _handback(self.spawn(task, record=False))
 
+    def close(self) -> None:
+        """Give this agent's pages back to the runtime's pool (a named agent is checkpointed first)."""
+        self.state.close()
+
     def transcript(self) -> str:
         """Transcript of every step this agent has run so far."""
         return Result("", self.history, "").transcript()
@@ -268,7 +277,7 @@ def _handback(result: Result) -> str:
 
 def _totals(steps: List[Step]) -> dict:
     keys = ("prompt_tokens", "reused_tokens", "prefilled_tokens", "generated_tokens", "turn_s")
-    tot = {k: sum(s.stats.get(k, 0) for s in steps) for k in keys}
+    tot = {k: sum(getattr(s.stats, k) for s in steps if s.stats is not None) for k in keys}
     tot["steps"] = len(steps)
     tot["tool_s"] = sum(s.call.tool_s for s in steps if s.call is not None)
     return tot

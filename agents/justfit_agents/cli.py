@@ -19,14 +19,14 @@ def _show(event) -> None:
     if event.kind == "call":
         args = ", ".join(f"{k}={v!r}" for k, v in event.call.arguments.items())
         typer.echo(f"[step {event.step}] {event.call.name}({args[:200]})  "
-                   f"prompt {st['prompt_tokens']} / reused {st['reused_tokens']} / prefilled {st['prefilled_tokens']} "
-                   f"tok, {st['turn_s']:.1f} s", err=True)
+                   f"prompt {st.prompt_tokens} / reused {st.reused_tokens} / prefilled {st.prefilled_tokens} "
+                   f"tok, {st.turn_s:.1f} s", err=True)
     elif event.kind == "result":
         text = event.text if len(event.text) < 400 else event.text[:400] + " ..."
         typer.echo("    -> " + text.replace("\n", "\n       "), err=True)
     elif event.kind == "answer":
-        typer.echo(f"[step {event.step}] answer  prompt {st['prompt_tokens']} / reused {st['reused_tokens']} / "
-                   f"prefilled {st['prefilled_tokens']} tok, {st['turn_s']:.1f} s", err=True)
+        typer.echo(f"[step {event.step}] answer  prompt {st.prompt_tokens} / reused {st.reused_tokens} / "
+                   f"prefilled {st.prefilled_tokens} tok, {st.turn_s:.1f} s", err=True)
 
 
 @app.command("run")
@@ -42,13 +42,13 @@ def run(
     kv_bits: int = typer.Option(4, "--kv-bits", help="KV cache precision: 4, 8 or 16."),
     allow: List[str] = typer.Option([], "--allow", help="Enable the shell tool for this command (repeatable; coding agent)."),
     transcript: bool = typer.Option(False, "--transcript", help="Print the full transcript at the end."),
+    unsafe_no_sandbox: bool = typer.Option(False, "--unsafe-no-sandbox",
+                                           help="Run code tools unconfined where no OS sandbox exists (dangerous)."),
 ):
     """Run a ready agent on a task; steps stream to stderr, the final answer goes to stdout."""
     from pathlib import Path
 
-    from justfit.config import KVConfig
-    from justfit.errors import UserError
-    from justfit.runtime import Runtime
+    from justfit import KVConfig, Runtime, UserError
 
     from .ready import READY
     from .sandbox import SandboxError
@@ -61,6 +61,7 @@ def run(
     kw = dict(session=session, max_steps=max_steps, temperature=temp, seed=seed)
     if name == "coding":
         kw["shell_allow"] = allow or None
+        kw["unsafe_no_sandbox"] = unsafe_no_sandbox
     try:
         agent = READY[name](rt, workspace, **kw)
     except SandboxError as e:
@@ -75,3 +76,20 @@ def run(
     typer.echo(f"[{s['steps']} steps, {result.stopped} | prompt {s['prompt_tokens']} / reused {s['reused_tokens']} / "
                f"prefilled {s['prefilled_tokens']} tok | {s['turn_s']:.1f} s model, {s['tool_s']:.2f} s tools]", err=True)
     typer.echo(result.answer)
+    reason = unfinished_reason(result, max_steps)
+    if reason:
+        typer.echo(f"justfit agent: did not finish: {reason}", err=True)
+        raise typer.Exit(1)
+
+
+def unfinished_reason(result, max_steps: int) -> str:
+    """Why a run is not a finished task ('' when the agent gave its answer): scripts see exit code 1."""
+    last = result.steps[-1].call if result.steps else None
+    return {
+        "answer": "",
+        "max_steps": f"no final answer within {max_steps} steps (raise --max-steps, or try a larger --model)",
+        "length": "the last reply hit the token limit before it was complete",
+        "repeat": (f"the model repeated the same call {last.name if last else ''}(...) instead of answering; "
+                   "the output above is that call's result, not a checked answer"),
+        "stop": "a stop condition ended the run before an answer",
+    }.get(result.stopped, f"stopped: {result.stopped}")

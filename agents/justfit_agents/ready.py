@@ -20,9 +20,12 @@ def files_agent(runtime, workspace, session: Optional[str] = None, **kw) -> Agen
     return Agent(runtime, system=FILES_SYSTEM, tools=ws.tools(files=True), session=session, **kw)
 
 
-def coding_agent(runtime, workspace, session: Optional[str] = None, shell_allow=None, **kw) -> Agent:
-    """An agent that writes files and runs Python (and allowed shell commands) in `workspace`."""
-    ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace, shell_allow=shell_allow)
+def coding_agent(runtime, workspace, session: Optional[str] = None, shell_allow=None, unsafe_no_sandbox=False,
+                 **kw) -> Agent:
+    """An agent that writes files and runs Python (and allowed shell commands) in `workspace`, inside the
+    OS sandbox (SandboxError when there is none, unless unsafe_no_sandbox=True)."""
+    ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace, shell_allow=shell_allow,
+                                                                      unsafe_no_sandbox=unsafe_no_sandbox)
     kw.setdefault("tool_choice", "required")
     kw.setdefault("max_string", 800)
     tools = ws.tools(files=True, write=True, python=True, shell=bool(ws.shell_allow))

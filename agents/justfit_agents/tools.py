@@ -1,13 +1,12 @@
-"""Tools are plain Python functions: type hints and the docstring become a JSON schema."""
+"""Tools are plain Python functions: type hints (through schema.py) and the docstring become a JSON schema."""
 
 import inspect
 import json
 import re
-import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
-_SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean"}
+from .schema import parameters_schema
 
 
 @dataclass
@@ -26,25 +25,6 @@ class Tool:
 
     def __call__(self, **kwargs):
         return self.fn(**kwargs)
-
-
-def type_schema(hint) -> dict:
-    """JSON schema of one type hint: str/int/float/bool, list[T], dict, Optional[T], Literal[...]."""
-    if hint in _SIMPLE:
-        return {"type": _SIMPLE[hint]}
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Literal:
-        return {"enum": list(args)}
-    if origin is typing.Union:
-        rest = [a for a in args if a is not type(None)]
-        return type_schema(rest[0]) if len(rest) == 1 else {"anyOf": [type_schema(a) for a in rest]}
-    if hint in (list, tuple) or origin in (list, tuple, typing.List):
-        return {"type": "array", "items": type_schema(args[0])} if args else {"type": "array"}
-    if hint is dict or origin is dict:
-        return {"type": "object"}
-    if hint is inspect.Parameter.empty or hint is Any:
-        return {"type": "string"}
-    raise TypeError(f"tool argument type {hint!r} has no JSON schema; use str, int, float, bool, list, dict or Literal")
 
 
 def parse_docstring(doc: str):
@@ -69,20 +49,10 @@ def as_tool(fn, name: Optional[str] = None) -> Tool:
     if isinstance(fn, Tool):
         return fn
     summary, arg_docs = parse_docstring(fn.__doc__)
-    hints = typing.get_type_hints(fn)
-    props, required = {}, []
-    for p in inspect.signature(fn).parameters.values():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        s = type_schema(hints.get(p.name, p.annotation))
-        if p.name in arg_docs:
-            s["description"] = arg_docs[p.name]
-        if p.default is inspect.Parameter.empty:
-            required.append(p.name)
-        else:
-            s["default"] = p.default
-        props[p.name] = s
-    params = {"type": "object", "properties": props, "required": required}
+    params = parameters_schema(fn)
+    for arg, text in arg_docs.items():
+        if arg in params["properties"]:
+            params["properties"][arg]["description"] = text
     return Tool(name or fn.__name__, summary or fn.__name__, params, fn)
 
 
@@ -129,8 +99,3 @@ def call_tool(t: Tool, arguments: dict) -> str:
         return to_text(t(**arguments))
     except Exception as e:  # a tool failing is information for the model, not a crash of the loop
         return f"error: {type(e).__name__}: {e}"
-
-
-def describe(tools: List[Tool]) -> str:
-    """One JSON line per tool, for prompts of models without native tool syntax."""
-    return "\n".join(json.dumps(t.schema()["function"], ensure_ascii=False) for t in tools)

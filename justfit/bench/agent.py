@@ -62,12 +62,20 @@ def _justfit(rt, steps: int, guide_repeat: int):
     rows, work = [], []
     for s in result.steps:
         st = s.stats
-        p, g = st["prompt_tokens"], st["generated_tokens"]
+        p, g = st.prompt_tokens, st.generated_tokens
         work.append((toks[:p], toks[p:p + g]))
-        rows.append({"system": "justfit", "step": s.index, "prompt_tokens": p, "reused_tokens": st["reused_tokens"],
-                     "prefilled_tokens": st["prefilled_tokens"], "generated_tokens": g, "ttft_s": st["ttft_s"],
-                     "turn_s": st["turn_s"], "tool": s.call.name if s.call else None})
+        rows.append({"system": "justfit", "step": s.index, "prompt_tokens": p, "reused_tokens": st.reused_tokens,
+                     "prefilled_tokens": st.prefilled_tokens, "generated_tokens": g, "ttft_s": st.ttft_s,
+                     "turn_s": st.turn_s, "tool": s.call.name if s.call else None})
     return rows, work, wall
+
+
+def _replay(gen):
+    """An mlx-lm sampler that returns the agent's own tokens in order (same work, same outputs)."""
+    import mlx.core as mx
+
+    it = iter(gen)
+    return lambda logprobs: mx.array([next(it, gen[-1])])
 
 
 def _mlx_lm(model, work, reuse: bool):
@@ -89,8 +97,7 @@ def _mlx_lm(model, work, reuse: bool):
             trim_prompt_cache(cache, len(held) - keep)
         else:
             cache = make_prompt_cache(model)
-        it = iter(gen)
-        forced = lambda logprobs: mx.array([next(it, gen[-1])])  # noqa: E731  (replay the agent's tokens)
+        forced = _replay(gen)
         ttft = None
         for _ in generate_step(mx.array(prompt[keep:]), model, max_tokens=len(gen), sampler=forced, prompt_cache=cache):
             ttft = ttft or time.perf_counter() - t0

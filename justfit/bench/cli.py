@@ -8,6 +8,7 @@ from .agent import agent  # noqa: E402
 from .chat import chat  # noqa: E402
 from .kv import kv  # noqa: E402
 from .phases import phases  # noqa: E402
+from .serve import serve  # noqa: E402
 from .sessions import sessions  # noqa: E402
 
 app.command("kv")(kv)
@@ -15,3 +16,4 @@ app.command("chat")(chat)
 app.command("sessions")(sessions)
 app.command("phases")(phases)
 app.command("agent")(agent)
+app.command("serve")(serve)

@@ -1,5 +1,7 @@
-"""`justfit bench phases`: an agent loop with tool phases, JustFit (release + reload, drafting) vs
-mlx-lm with a prompt cache (everything stays resident). Rows per system, turn and phase."""
+"""`justfit bench phases`: an agent loop with tool phases, JustFit (a session; weights and its KV pages
+released in each tool phase, reloaded just in time; with and without drafting) vs mlx-lm with a prompt
+cache (everything stays resident). Each system runs in its own process, so RSS rows are that system's
+alone. Rows per system, turn and phase."""
 
 import json
 import os
@@ -134,43 +136,69 @@ def mlx_lm_turns(rt, workload, tokens, tool_mb, tool_s, rows):
 
 
 def justfit_turns(rt, workload, drafter, tokens, tool_mb, tool_s, rows):
-    """JustFit: a reused cache, a tool phase between turns (weights + KV released), reload on the next turn."""
+    """JustFit: a named session, a tool phase between turns (weights + the session's KV pages released),
+    then the weights (reload_s) and the pages from the store (kv_restore_s) brought back and timed."""
     import mlx.core as mx
     import psutil
 
-    from ..phaseswap.attach import add_cache, set_drafter
-
-    set_drafter(rt, drafter)
-    cache, history, proc = rt.make_cache(), [], psutil.Process()
-    add_cache(rt, f"kv:bench-{workload}-{drafter}", cache)
-    cached = []
+    rt.set_drafter(drafter)
+    session, proc = rt.session(f"bench-{workload}-{drafter}"), psutil.Process()
     for turn, text in enumerate(WORKLOADS[workload]):
-        msgs = history + [{"role": "user", "content": text}]
-        ids = rt.encode(msgs)
-        reuse = _reuse(cache, cached, ids)
         with Sampler() as s:
-            chunks = list(rt.stream_tokens(ids, cache, max_tokens=tokens, reused_tokens=reuse))
-        st = dict(rt.last_stats)
-        toks = [c.token for c in chunks if c.token >= 0]
-        cached = ids + toks
-        history = msgs + [{"role": "assistant", "content": "".join(c.text for c in chunks)}]
-        rows.append(dict(system="justfit", workload=workload, turn=turn, phase="prefill", drafter=st["drafter"],
-                         reload_s=st["reload_s"], prefill_s=st.get("prefill_s", 0.0), prompt_tokens=len(ids) - reuse))
-        rows.append(dict(system="justfit", workload=workload, turn=turn, phase="decode", drafter=st["drafter"],
-                         rss_bytes=s.peak, mlx_active_bytes=s.mlx_peak, decode_tok_s=st.get("decode_tok_s", 0.0),
-                         acceptance=st["acceptance"], accepted_tokens=st["accepted_tokens"],
-                         drafted_tokens=st["drafted_tokens"], tokens=len(toks)))
-        rss_before, active_before = proc.memory_info().rss, mx.get_active_memory()
-        with rt.tool_phase() as released:
-            rss_released = proc.memory_info().rss
+            g = session.generate(text, max_tokens=tokens)
+        st = g.stats
+        rows.append(dict(system="justfit", workload=workload, turn=turn, phase="prefill", drafter=st.drafter,
+                         prefill_s=st.prefill_s, prompt_tokens=st.prefilled_tokens))
+        rows.append(dict(system="justfit", workload=workload, turn=turn, phase="decode", drafter=st.drafter,
+                         rss_bytes=s.peak, mlx_active_bytes=s.mlx_peak, decode_tok_s=st.decode_tok_s,
+                         acceptance=st.acceptance, accepted_tokens=st.accepted_tokens,
+                         drafted_tokens=st.drafted_tokens, tokens=st.generated_tokens))
+        rss_before, active_before, kv_before = proc.memory_info().rss, mx.get_active_memory(), session.resident_bytes()
+        with session.tool_phase() as released:
+            rss_released, kv_after = proc.memory_info().rss, session.resident_bytes()
             with Sampler() as s:
                 run_tool(tool_mb, tool_s)
             active = mx.get_active_memory()
-        rows.append(dict(system="justfit", workload=workload, turn=turn, phase="tool", drafter=st["drafter"],
+        t0 = time.perf_counter()
+        rt.ensure_resident()  # the weights back (the next turn's prefill would do it just in time)
+        t1 = time.perf_counter()
+        mx.eval([c.state for c in session.cache])  # the released pages back from the store
+        restore_s = time.perf_counter() - t1
+        rows.append(dict(system="justfit", workload=workload, turn=turn, phase="tool", drafter=st.drafter,
                          rss_bytes=s.peak, mlx_active_bytes=active, released_bytes=released,
+                         kv_released_bytes=kv_before - kv_after, kv_restore_s=restore_s, reload_s=t1 - t0,
                          rss_before_bytes=rss_before, rss_after_release_bytes=rss_released,
                          mlx_active_before_bytes=active_before))
-    rt.phaseswap.remove(f"kv:bench-{workload}-{drafter}")
+    session.close()
+
+
+def _child(system: str, workload: str, drafter: str, tokens: str, tool_mb: str, tool_s: str, folder: str,
+           home: str):
+    """One system on one workload in this process; prints its rows as one JSON line."""
+    from ..runtime import Runtime
+
+    rt = Runtime(model=folder, home=home)
+    rows = []
+    if system == "mlx-lm-prompt-cache":
+        mlx_lm_turns(rt, workload, int(tokens), int(tool_mb), float(tool_s), rows)
+    else:
+        justfit_turns(rt, workload, drafter, int(tokens), int(tool_mb), float(tool_s), rows)
+    if system == "justfit" and drafter == "none":
+        for r in rows:
+            if "reload_s" in r:
+                r["cold_read_s"] = cold_read_s(rt)
+                break
+    print(json.dumps(rows))
+
+
+def _run_child(*args) -> list:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "justfit.bench.phases", *map(str, args)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench phases child {args[:3]} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def phases(
@@ -186,20 +214,16 @@ def phases(
 
     from .. import __version__
     from ..models import backend
-    from ..runtime import Runtime
+    import tempfile
 
-    rt = Runtime(model=model)
+    from ..models import resolve
+
+    folder, home = resolve(model), tempfile.mkdtemp(prefix="justfit-bench-phases-")
     rows = []
     for w in workloads.split(","):
-        print(f"[phases] {w}: mlx-lm-prompt-cache", file=sys.stderr)
-        mlx_lm_turns(rt, w, tokens, tool_mb, tool_s, rows)
-        for drafter in ("none", "prompt-lookup"):
-            print(f"[phases] {w}: justfit drafter={drafter}", file=sys.stderr)
-            justfit_turns(rt, w, drafter, tokens, tool_mb, tool_s, rows)
-    cold = cold_read_s(rt)
-    for r in rows:
-        if "reload_s" in r:
-            r["cold_read_s"] = cold
+        for system, drafter in (("mlx-lm-prompt-cache", "none"), ("justfit", "none"), ("justfit", "prompt-lookup")):
+            print(f"[phases] {w}: {system} drafter={drafter} (own process)", file=sys.stderr)
+            rows += _run_child(system, w, drafter, tokens, tool_mb, tool_s, folder, home)
     out = {"bench": "phases", "model": model, "backend": backend(),
            "versions": {"justfit": __version__, "mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
            "rows": rows}
@@ -208,3 +232,7 @@ def phases(
         return
     for r in rows:
         print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:])

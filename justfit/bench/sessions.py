@@ -1,7 +1,9 @@
 """`justfit bench sessions`: an agent-shaped multi-turn workload, mlx-lm vs JustFit sessions.
 
-A ~1.5k-token system prompt with a tool schema, then turns of 32-128 new user tokens with short greedy
-replies; then 3 sub-agents forked from the history; then a restart (a new process) that resumes it.
+A system prompt with a tool schema (~4k tokens by default), then turns of 32-128 new user tokens with short
+greedy replies; then `next-turn` rounds (a 64-token message on the whole history, first token timed, then
+undone), interleaved between systems, medians of >= 3 rounds; then 3 sub-agents forked from the history;
+then restarts (new processes, one per round) that resume it.
 Systems: `mlx-lm-reprefill` (a fresh KVCache and the whole history prefilled every turn),
 `mlx-lm-prompt-cache` (one mlx-lm KVCache kept across turns, trimmed to the common prefix: what
 mlx-lm's server does), `justfit` (a StateTrans session: pages, prefix index, checkpoints).
@@ -146,13 +148,13 @@ def _fork_rows(systems, rt, session, history, model, max_tokens):
                 row["kv_bytes_added"] = _kv_bytes(child.cache)  # a full private copy plus its new tokens
                 del before
             else:
-                pool = rt.prefix_index().pool
+                pool = rt.index.pool
                 before = pool.nbytes
                 t0 = time.perf_counter()
                 child = session.fork(f"bench-sub{i}")
                 fork_s = time.perf_counter() - t0
                 g = child.generate(task[-1:], max_tokens=max_tokens)
-                st = g.stats
+                st = g.stats.as_dict()
                 tokens = child.tokens
                 row = {"ttft_s": st["ttft_s"] + fork_s, "turn_s": st["turn_s"] + fork_s,
                        "reused_tokens": st["reused_tokens"], "checkpoint_s": st["checkpoint_s"],
@@ -165,55 +167,121 @@ def _fork_rows(systems, rt, session, history, model, max_tokens):
     return rows
 
 
-def _restart_rows(folder, home, name, kv_bits, cache_file, next_msg, max_tokens):
-    """Resume in a new process (the model load there is not timed): justfit restores the session;
-    mlx-lm loads a prompt cache saved by hand; reprefill prefills the same history."""
-    cmd = [sys.executable, "-m", "justfit.bench.sessions", str(folder), str(home), name, str(kv_bits),
-           str(cache_file), next_msg, str(max_tokens)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JUSTFIT_HOME=str(home)))
-    if done.returncode != 0:
-        raise RuntimeError(f"restart child failed: {done.stderr.strip().splitlines()[-1:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _next_turn_rows(systems, session, histories, msg, rounds):
+    """`rounds` x (each system in rotating order): the 64-token message on the whole history, time to the
+    first token, then undone (session rewound, prompt cache trimmed back). Medians with min and max."""
+    import statistics
+
+    times = {0: [], 1: [], 2: []}
+    reused = {}
+    for r in range(rounds):
+        for k in [(r + j) % 3 for j in range(3)]:
+            hist = histories[k] + [{"role": "user", "content": msg}]
+            if systems[k] is None or systems[k].name == "justfit":
+                n = len(session.tokens)
+                t0 = time.perf_counter()
+                for _ in session.stream([hist[-1]], max_tokens=1):
+                    break
+                times[k].append(time.perf_counter() - t0)
+                reused[k] = session.last_stats.reused_tokens
+                session.rewind(len(session.tokens) - n)
+            else:
+                cached = getattr(systems[k], "cached", None)
+                row, _ = systems[k].turn(hist, 1)
+                times[k].append(row["ttft_s"])
+                reused[k] = row["reused_tokens"]
+                if cached is not None:
+                    systems[k].cached = cached  # the next round starts from the same history
+    names = ["mlx-lm-reprefill", "mlx-lm-prompt-cache", "justfit"]
+    return [{"system": names[k], "phase": "next-turn", "history_tokens": len(session.tokens), "new_tokens": 64,
+             "rounds": rounds, "ttft_s": statistics.median(v), "ttft_s_min": min(v), "ttft_s_max": max(v),
+             "reused_tokens": reused[k]} for k, v in times.items()]
 
 
-def _restart_child(folder, home, name, kv_bits, cache_file, next_msg, max_tokens):
+def _restart_rows(folder, home, name, kv_bits, cache_file, next_msg, max_tokens, rounds: int = 3):
+    """Resume in new processes, one per round (the model load there is not timed): justfit restores the
+    session; mlx-lm loads a prompt cache saved by hand; reprefill prefills the same history. The order
+    of the three inside a process rotates each round; medians with min and max."""
+    import statistics
+
+    per = {}
+    for r in range(rounds):
+        cmd = [sys.executable, "-m", "justfit.bench.sessions", str(folder), str(home), name, str(kv_bits),
+               str(cache_file), next_msg, str(max_tokens), str(r)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JUSTFIT_HOME=str(home)))
+        if done.returncode != 0:
+            raise RuntimeError(f"restart child failed: {done.stderr.strip().splitlines()[-1:]}")
+        for row in json.loads(done.stdout.strip().splitlines()[-1]):
+            per.setdefault(row["system"], []).append(row)
+    out = []
+    for rows in per.values():
+        v = [x["restore_s"] for x in rows]
+        row = dict(rows[-1], rounds=rounds, restore_s=statistics.median(v), restore_s_min=min(v), restore_s_max=max(v))
+        out.append(row)
+    return out
+
+
+def _restart_child(folder, home, name, kv_bits, cache_file, next_msg, max_tokens, round_="0"):
     import mlx.core as mx
-    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
     import justfit
 
     rt = justfit.Runtime(model=folder, kv=justfit.KVConfig(bits=int(kv_bits)), home=home)
-    rows = []
-    rt.prefix_index()  # fingerprints: part of starting the runtime, like the model load
+    steps = [lambda: _restore_justfit(rt, name, next_msg, max_tokens), lambda: _restore_mlx_lm(cache_file),
+             lambda: _restore_reprefill(rt, name)]
+    r = int(round_) % 3
+    rows = [f() for f in steps[r:] + steps[:r]]
+    print(json.dumps(rows))
+    del mx
+
+
+def _restore_justfit(rt, name, next_msg, max_tokens):
     t0 = time.perf_counter()
     s = rt.session(name)
     s.prefill()  # load every page and recompute the partial tail: the session is ready to decode
     restore_s = time.perf_counter() - t0
     tokens = list(s.tokens)
-    restored = s.kv_tokens - (len(tokens) - (len(tokens) // rt.kv.page_size) * rt.kv.page_size)
+    restored = s.kv_tokens
     g = s.generate(next_msg, max_tokens=int(max_tokens))
-    rows.append({"system": "justfit", "phase": "restore", "history_tokens": len(tokens), "restore_s": restore_s,
-                 "restored_page_tokens": restored, "ttft_s": g.stats["ttft_s"], "turn_s": g.stats["turn_s"],
-                 "reused_tokens": g.stats["reused_tokens"]})
+    s.rewind(len(s.tokens) - len(tokens))  # every round restores the same history
+    s.close()
+    return {"system": "justfit", "phase": "restore", "history_tokens": len(tokens), "restore_s": restore_s,
+            "restored_tokens": restored, "ttft_s": g.stats.ttft_s, "turn_s": g.stats.turn_s,
+            "reused_tokens": g.stats.reused_tokens}
+
+
+def _restore_mlx_lm(cache_file):
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache
+
     t0 = time.perf_counter()
     cache, _ = load_prompt_cache(str(cache_file), return_metadata=True)
     mx.eval([c.state for c in cache])
-    rows.append({"system": "mlx-lm-prompt-cache", "phase": "restore", "history_tokens": cache[0].offset,
-                 "restore_s": time.perf_counter() - t0, "note": "load_prompt_cache of a file saved by hand"})
+    return {"system": "mlx-lm-prompt-cache", "phase": "restore", "history_tokens": cache[0].offset,
+            "restore_s": time.perf_counter() - t0, "note": "load_prompt_cache of a file saved by hand"}
+
+
+def _restore_reprefill(rt, name):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..statetrans.manifest import read_manifest
+
+    tokens = read_manifest(rt.home, name).tokens
     cache = make_prompt_cache(rt.model)
     t0 = time.perf_counter()
     for i in range(0, len(tokens), 2048):
         rt.model(mx.array(tokens[i:i + 2048])[None], cache=cache)
         mx.eval([c.state for c in cache])
-    rows.append({"system": "mlx-lm-reprefill", "phase": "restore", "history_tokens": len(tokens),
-                 "restore_s": time.perf_counter() - t0, "note": "re-prefill of the same history"})
-    print(json.dumps(rows))
+    return {"system": "mlx-lm-reprefill", "phase": "restore", "history_tokens": len(tokens),
+            "restore_s": time.perf_counter() - t0, "note": "re-prefill of the same history"}
 
 
 def sessions(
     model: str = typer.Option("default", "--model", "-m", help="Model spec (as for `justfit chat`)."),
-    system_tokens: int = typer.Option(1536, "--system-tokens", help="Approximate system prompt + tools size."),
-    turns: int = typer.Option(6, "--turns", min=1, help="User turns after the system prompt."),
+    system_tokens: int = typer.Option(4096, "--system-tokens", help="Approximate system prompt + tools size."),
+    turns: int = typer.Option(3, "--turns", min=1, help="User turns after the system prompt."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds of the next-turn and restart rows."),
     reply_tokens: int = typer.Option(16, "--reply-tokens", min=1, help="Most tokens per reply."),
     kv_bits: int = typer.Option(4, "--kv-bits", help="JustFit KV bits (4, 8, 16)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -244,7 +312,7 @@ def sessions(
             hist = histories[k] + [{"role": "user", "content": msg}]
             if systems[k] is None:
                 g = session.generate(hist if t == 0 else hist[-1:], max_tokens=reply_tokens)
-                st = g.stats
+                st = g.stats.as_dict()
                 row = {"system": "justfit", "ttft_s": st["ttft_s"], "turn_s": st["turn_s"],
                        "reused_tokens": st["reused_tokens"], "checkpoint_s": st["checkpoint_s"],
                        "disk_bytes_written": st["disk_bytes_written"]}
@@ -259,13 +327,15 @@ def sessions(
             _log(f"turn {t} {row['system']:<20} history {history:5d}  ttft {row['ttft_s']:.3f}s  "
                  f"turn {row['turn_s']:.3f}s  reused {row['reused_tokens']}  ckpt {row['checkpoint_s']:.4f}s")
     systems[2] = type("J", (), {"name": "justfit"})()
+    _log(f"next turn: {rounds} interleaved rounds of a 64-token message on the whole history")
+    rows += _next_turn_rows(systems, session, histories, user_message(tok, turns + 1, 64), rounds)
     rows += _fork_rows(systems, rt, session, histories[2], rt.model, reply_tokens)
     cache_file = home / "mlx-lm-prompt-cache.safetensors"
     save_prompt_cache(str(cache_file), systems[1].cache)
     session.close()
     _log("restart: resuming in a new process")
     next_msg = user_message(tok, turns, 48)
-    rows += _restart_rows(folder, home, "bench", kv_bits, cache_file, next_msg, reply_tokens)
+    rows += _restart_rows(folder, home, "bench", kv_bits, cache_file, next_msg, reply_tokens, rounds)
     out = {"bench": "sessions", "model": str(model), "backend": backend(),
            "versions": {"justfit": justfit.__version__, "mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
            "rows": rows, "summary": summarize(rows)}
@@ -280,15 +350,15 @@ def sessions(
 
 def summarize(rows) -> dict:
     """The ratios the issue targets, computed from the rows."""
-    last = max(r["turn"] for r in rows if "phase" not in r)
-    at = {r["system"]: r for r in rows if r.get("turn") == last and "phase" not in r}
+    at = {r["system"]: r for r in rows if r.get("phase") == "next-turn"}
     jf = [r for r in rows if r["system"] == "justfit" and "phase" not in r and r["turn"] > 0]
     rest = {r["system"]: r for r in rows if r.get("phase") == "restore"}
     forks = [r for r in rows if r.get("phase") == "fork" and r["system"] == "justfit"]
     return {
-        "ttft_speedup_vs_reprefill_at_largest_history": at["mlx-lm-reprefill"]["ttft_s"] / at["justfit"]["ttft_s"],
-        "ttft_speedup_vs_prompt_cache_at_largest_history": at["mlx-lm-prompt-cache"]["ttft_s"] / at["justfit"]["ttft_s"],
+        "next_turn_ttft_speedup_vs_reprefill": at["mlx-lm-reprefill"]["ttft_s"] / at["justfit"]["ttft_s"],
+        "next_turn_ttft_speedup_vs_prompt_cache": at["mlx-lm-prompt-cache"]["ttft_s"] / at["justfit"]["ttft_s"],
         "restore_speedup_vs_reprefill": rest["mlx-lm-reprefill"]["restore_s"] / rest["justfit"]["restore_s"],
+        "restore_speedup_vs_load_prompt_cache": rest["mlx-lm-prompt-cache"]["restore_s"] / rest["justfit"]["restore_s"],
         "max_checkpoint_fraction_of_turn": max(r["checkpoint_s"] / r["turn_s"] for r in jf) if jf else None,
         "fork_kv_bytes_added": [r["kv_bytes_added"] for r in forks],
         "fork_new_tokens": [r["new_tokens"] for r in forks],

@@ -175,15 +175,16 @@ class Sequence:
                 out.append((index, pid, pages))
         return out
 
-    def append_restored(self, kinds: List[str], loaders: List[Callable]):
-        """Append one full sealed page restored from disk; loaders[layer]() -> (k parts, v parts) on first use."""
+    def append_restored(self, kinds: List[str], loaders: List[Callable], n_tokens: Optional[int] = None):
+        """Append one page restored from disk (sealed, or an open page holding n_tokens < page_size);
+        loaders[layer]() -> (k parts, v parts) on first use."""
         if any(n != self.lengths[0] or n % self.page_size for n in self.lengths):
             raise ValueError("restored pages can only be appended at a page boundary reached by every layer")
         (pid,) = self.pool.alloc(1)
         for layer, (kind, load) in enumerate(zip(kinds, loaders)):
             self.pool.put(layer, pid, Page(kind, loader=load))
         self.table.append(pid)
-        self.lengths = [n + self.page_size for n in self.lengths]
+        self.lengths = [n + (n_tokens or self.page_size) for n in self.lengths]
         return pid
 
     def release(self):

@@ -2,5 +2,7 @@
 
 from .load import backend, load, weight_policy
 from .registry import default_model, import_gguf, list_models, resolve
+from .vocab import check_token_ids, vocab_size
 
-__all__ = ["load", "backend", "weight_policy", "resolve", "import_gguf", "default_model", "list_models"]
+__all__ = ["load", "backend", "weight_policy", "resolve", "import_gguf", "default_model", "list_models",
+           "check_token_ids", "vocab_size"]

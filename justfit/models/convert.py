@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
+from ..progress import bar
 from .gguf_reader import check_supported
 from .tokenizer import write_tokenizer
 
@@ -115,11 +116,14 @@ def convert_gguf(gguf_path, out_dir, log=None) -> Path:
             w = w.astype(mx.float32)  # scales/biases: fp16 scales are ~40x slower on CPU
         weights[_rename(name)] = w
     config = build_config(meta, weights)
-    for name in list(weights):
-        if ".q_proj." in name:
-            weights[name] = _unpermute(weights[name], config["num_attention_heads"])
-        elif ".k_proj." in name:
-            weights[name] = _unpermute(weights[name], config["num_key_value_heads"])
+    with bar(len(weights), f"converting {gguf_path.name}") as advance:
+        for name in list(weights):
+            if ".q_proj." in name:
+                weights[name] = _unpermute(weights[name], config["num_attention_heads"])
+            elif ".k_proj." in name:
+                weights[name] = _unpermute(weights[name], config["num_key_value_heads"])
+            mx.eval(weights[name])  # the work is lazy: do it here, tensor by tensor, so the bar moves
+            advance()
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -6,6 +6,21 @@ from ..errors import UserError
 from .registry import resolve
 
 WEIGHT_POLICIES = ("auto", "fp32", "quantized")
+JUNK_ERRORS = (RuntimeError, TypeError, KeyError, AttributeError, IndexError, ImportError, UnicodeError)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _check_chat_template(tokenizer, spec: str):
+    """Render one message now, so a broken chat template is a load error (exit 2), not a crash later."""
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2 syntax/undefined errors and anything the template raises
+        raise UserError(f"model {spec!r} has a broken chat template ({type(e).__name__}: {_first_line(e)})") from None
 
 
 def backend() -> str:
@@ -65,11 +80,15 @@ def load(spec: str = "default", home=None, weights: str = None):
     try:
         model, tokenizer = mlx_load(path)
     except (FileNotFoundError, ValueError, OSError) as e:
-        raise UserError(f"could not load model {spec!r}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"could not load model {spec!r}: {_first_line(e)}") from None
     except Exception as e:  # huggingface_hub errors (offline, unknown repo) have no common base here
         if type(e).__module__.startswith(("huggingface_hub", "requests", "urllib3")):
-            raise UserError(f"could not fetch {spec!r} from the Hugging Face hub: {str(e).splitlines()[0]}") from None
+            raise UserError(f"could not fetch {spec!r} from the Hugging Face hub: {_first_line(e)}") from None
+        if isinstance(e, JUNK_ERRORS):  # a damaged folder: torn safetensors, config without its fields
+            raise UserError(f"could not load model {spec!r}: the folder is damaged or incomplete "
+                            f"({type(e).__name__}: {_first_line(e)})") from None
         raise
+    _check_chat_template(tokenizer, spec)
     policy = weights or weight_policy(model)
     if policy == "fp32":
         dequantize_model(model)

@@ -7,8 +7,7 @@ residency.py   the manager: phases, eviction order, residency() report
 kvspill.py     KV of a bare cache list as a spillable component
 toolphase.py   release everything during a tool call, prefetch on exit
 drafting.py    prompt-lookup and draft-model drafters, the on/off gate
-decode.py      phased prefill/decode with exact speculative verification
-attach.py      how a Runtime wires all of it
+attach.py      builds a Runtime's residency manager and drafter (the token loop is justfit/generation.py)
 """
 
 from .budget import Budget, parse_budget

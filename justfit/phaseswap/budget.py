@@ -6,6 +6,7 @@ memory minus a reserve, so loading never pushes the machine into swap or the OOM
 `MemoryBudgetError` names what was needed and what was available.
 """
 
+import os
 import re
 from typing import Optional, Union
 
@@ -46,6 +47,11 @@ def parse_budget(value: Union[None, int, float, str]) -> Optional[int]:
     if isinstance(value, int) and value > 0:
         return value
     raise UserError(f"memory budget must be bytes > 0 or a fraction in (0, 1], not {value!r}")
+
+
+def budget_from_env() -> Optional[int]:
+    """The default budget: $JUSTFIT_MEMORY_BUDGET (same syntax as parse_budget), else none."""
+    return parse_budget(os.environ.get("JUSTFIT_MEMORY_BUDGET"))
 
 
 def mb(n: int) -> str:

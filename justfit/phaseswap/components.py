@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ..atomic import atomic_write
+
 ROLES = ("input-embedding", "layers", "norm", "lm-head", "drafter", "adapter", "kv")
 
 
@@ -94,6 +96,56 @@ class WeightSource:
         return out
 
 
+# Weight spill files belong to the process that wrote them (`<component>.<pid>.safetensors`): removed
+# when it exits, normally or after an error such as a start refused by --memory-budget, and swept by
+# the next process if it was killed. So a failed start never leaves half a gigabyte behind.
+_SPILL_DIRS: set = set()
+
+
+def _claim(folder: Path) -> None:
+    """First spill into `folder` in this process: create it, sweep dead processes' files, clean at exit."""
+    import atexit
+
+    if folder in _SPILL_DIRS:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in folder.glob("*.safetensors"):
+        if not _alive(f):
+            f.unlink(missing_ok=True)
+    if not _SPILL_DIRS:
+        atexit.register(discard_spills)
+    _SPILL_DIRS.add(folder)
+
+
+def _alive(file: Path) -> bool:
+    """Whether the process whose pid is in a spill file's name still runs."""
+    import os
+
+    stem = file.name.removesuffix(".safetensors").removesuffix(".tmp")
+    try:
+        pid = int(stem.rsplit(".", 1)[-1])
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def discard_spills() -> None:
+    """Delete this process's weight spill files (and their folders once empty); runs at exit."""
+    import os
+
+    for folder in list(_SPILL_DIRS):
+        for f in folder.glob(f"*.{os.getpid()}.*"):
+            f.unlink(missing_ok=True)
+        try:
+            folder.rmdir()
+        except OSError:
+            pass  # other processes' files are still there
+        _SPILL_DIRS.discard(folder)
+
+
 def spill_folder(model, root) -> Optional[Path]:
     """Where released weights are kept as loaded (float32): root/weights/<hash of the folder's files>.
     A changed model folder gets a new hash, so a stale copy is never read."""
@@ -121,15 +173,14 @@ def _weight_component(model, source: WeightSource, name: str, kind: str, prefixe
 
     names = [k for k in source.params if k.startswith(prefixes)]
     nbytes = sum(_numel(source.params[k][0]) * source.params[k][1].size for k in names)
-    file = spill / f"{name.replace('/', '_')}.safetensors" if spill is not None else None
+    file = spill / f"{name.replace('/', '_')}.{os.getpid()}.safetensors" if spill is not None else None
 
     def unload():
         if file is not None and not file.exists():
             params = dict(tree_flatten(model.parameters()))
-            file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = file.with_suffix(f".tmp{os.getpid()}.safetensors")
-            mx.save_safetensors(str(tmp), {k: params[k] for k in names})
-            os.replace(tmp, file)  # atomic: a torn write never looks like a valid copy
+            _claim(file.parent)
+            # atomic: a torn write never looks like a valid copy
+            atomic_write(file, lambda tmp: mx.save_safetensors(str(tmp), {k: params[k] for k in names}))
         model.update(tree_unflatten([(k, _empty()) for k in names]))
 
     def load():

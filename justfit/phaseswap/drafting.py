@@ -11,7 +11,6 @@ Verification itself lives in decode.py: one forward pass scores 2-8 draft tokens
 rewound with `cache.trim`, so greedy output equals non-speculative greedy output.
 """
 
-import time
 from typing import Dict, List, Optional, Tuple
 
 MIN_DRAFT, MAX_DRAFT = 2, 8

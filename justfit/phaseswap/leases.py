@@ -24,7 +24,7 @@ class Leases:
 
     def closure(self, names: Iterable[str]) -> Set[str]:
         """The names plus everything they depend on, transitively."""
-        out, todo, path = set(), list(names), set()
+        out, todo = set(), list(names)
         while todo:
             name = todo.pop()
             if name in out:

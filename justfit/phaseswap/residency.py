@@ -5,6 +5,7 @@ Phases and what they lease (by role):
 - `prefill-last`  the above + lm-head (the last chunk produces the first token's logits)
 - `decode`        input-embedding, layers, norm, lm-head, drafter
 - `verify`        same as decode (one pass scores 2-8 draft tokens)
+- `resident`      every weight of the model: a caller runs `rt.model` itself (mlx-lm on rt.make_cache())
 - `tool`          nothing: the agent waits on a tool; weights and KV are released to the OS
 - `idle`          nothing is leased, nothing is released until memory is needed
 KV components of the cache in use are leased by prefill/decode/verify as well.
@@ -29,6 +30,7 @@ PHASE_ROLES = {
     "prefill-last": {"input-embedding", "layers", "norm", "lm-head", "adapter"},
     "decode": {"input-embedding", "layers", "norm", "lm-head", "drafter", "adapter"},
     "verify": {"input-embedding", "layers", "norm", "lm-head", "drafter", "adapter"},
+    "resident": {"input-embedding", "layers", "norm", "lm-head", "adapter"},  # rt.model used outside a turn
     "tool": set(),
     "idle": set(),
 }
@@ -82,6 +84,18 @@ class Residency:
 
     def resident_bytes(self) -> int:
         return sum(c.size() for c in self.components.values() if c.resident)
+
+    def add_cache(self, name: str, caches, spill_root) -> Component:
+        """Register a cache list's KV as a component (spilled to `spill_root` when released)."""
+        from .kvspill import cache_component
+
+        return self.add_kv(cache_component(name, caches, spill_root), caches)
+
+    def add_kv(self, component: Component, caches) -> Component:
+        """Register the KV component of a cache list; phases that run on `caches` lease it."""
+        self.add(component)
+        self.kv_of[id(caches)] = component.name
+        return component
 
     # -- phases ---------------------------------------------------------------------------------
     def needed(self, phase: str, caches=None, extra: Iterable[str] = ()) -> List[str]:

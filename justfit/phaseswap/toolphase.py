@@ -6,27 +6,26 @@ and on exit asks the OS to prefetch the weight files (posix_fadvise WILLNEED), s
 `Residency.enter("prefill")` reloads them just in time from the page cache. Reloaded tensors are
 bit-identical, so outputs after a tool phase equal those of a run that never released anything.
 
-StateTrans sessions delegate: `Session.tool_phase()` returns `tool_phase(self.runtime, self)`;
-`Session.suspend()` calls `suspend(self.runtime, self)`; the next `generate` resumes automatically.
-A session registers its KV as a component (`Residency.add(Component(kind="kv", checkpointed=...))`)
-so the tool phase releases its pages after the checkpoint.
+StateTrans sessions delegate: `Session.tool_phase()` returns `rt.tool_phase(self)`; the next
+`generate` resumes automatically. A session registers its KV as a component (kind "kv", checkpointed)
+so the tool phase releases its pages after the checkpoint; they restore lazily from the store.
 """
 
 import os
 from contextlib import contextmanager
 
 
-def suspend(rt, session=None) -> int:
+def suspend(residency, session=None) -> int:
     """Checkpoint (if a session is given) then release weights and KV; bytes released."""
-    if session is not None and hasattr(session, "checkpoint"):
+    if session is not None:
         session.checkpoint()
-    rt.phaseswap.enter("tool")
-    return rt.phaseswap.release()
+    residency.enter("tool")
+    return residency.release()
 
 
-def prefetch(rt):
+def prefetch(model):
     """Hint the OS to read the weight files back into its page cache (non-blocking)."""
-    folder = getattr(rt.model, "justfit_path", None)
+    folder = getattr(model, "justfit_path", None)
     if not folder or not hasattr(os, "posix_fadvise"):
         return
     for name in os.listdir(folder):
@@ -39,12 +38,12 @@ def prefetch(rt):
 
 
 @contextmanager
-def tool_phase(rt, session=None, prefetch_on_exit: bool = True):
+def tool_phase(residency, model, session=None, prefetch_on_exit: bool = True):
     """Release memory for the duration of a tool call; reload happens on the next generate."""
-    released = suspend(rt, session)
+    released = suspend(residency, session)
     try:
         yield released
     finally:
-        rt.phaseswap.enter("idle")
+        residency.enter("idle")
         if prefetch_on_exit:
-            prefetch(rt)
+            prefetch(model)

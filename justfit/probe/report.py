@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from ..atomic import atomic_write
 from ..errors import UserError
 from . import regimes as rg
 
@@ -102,12 +103,7 @@ def validate(data) -> Optional[str]:
 
 def write_json(report: dict, path) -> Path:
     """Write probe.json atomically (temp file then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(path)
-    return path
+    return atomic_write(path, json.dumps(report, indent=1))
 
 
 def write_csv(report: dict, path) -> Path:

@@ -2,8 +2,9 @@
 of a checkpoint (new pages, then the manifest, under the store lock)."""
 
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
+from .lock import acquire
 from .manifest import Manifest, write_manifest
 from .store import PageFile, PageStore
 
@@ -27,9 +28,19 @@ def page_tensors(pages) -> Tuple[Dict[str, object], Dict[str, str]]:
     return out, {"layers": str(len(pages)), "kinds": ",".join(p.kind for p in pages)}
 
 
-def page_loaders(pf: PageFile, n_layers: int):
+def open_page_tensors(pages, n_tokens: int) -> Tuple[Dict[str, object], Dict[str, str]]:
+    """page_tensors of an open (partial, full-precision) page, cut to its first n_tokens positions."""
+    out = {}
+    for layer, page in enumerate(pages):
+        for name, a in page.tensors().items():
+            out[f"{layer}.{name}"] = to_numpy(a[:, :n_tokens])
+    return out, {"layers": str(len(pages)), "kinds": ",".join(p.kind for p in pages), "tokens": str(n_tokens)}
+
+
+def page_loaders(pf: PageFile, n_layers: int, pad_to: Optional[int] = None):
     """(kinds, loaders) for Sequence.append_restored: loaders[layer]() reads that layer's arrays from the
-    open file on first use (lazy restore, no staging copy); the file closes after the last layer."""
+    open file on first use (lazy restore, no staging copy); the file closes after the last layer. An open
+    page's arrays are padded back to `pad_to` positions (the page size) so it can be written again."""
     import mlx.core as mx
 
     kinds = pf.meta["kinds"].split(",")
@@ -41,7 +52,11 @@ def page_loaders(pf: PageFile, n_layers: int):
     def part(name):
         arr, tag = pf.read(name)
         x = mx.array(arr)
-        return x.view(mx.bfloat16) if tag == "BF16" else x
+        x = x.view(mx.bfloat16) if tag == "BF16" else x
+        if pad_to is not None and x.shape[1] < pad_to:
+            pad = mx.zeros((x.shape[0], pad_to - x.shape[1], *x.shape[2:]), dtype=x.dtype)
+            x = mx.concatenate([x, pad], axis=1)
+        return x
 
     def loader(layer):
         def load():
@@ -72,6 +87,7 @@ def commit(store: PageStore, home: Path, manifest: Manifest, new_pages: List[Tup
             checksums[h] = sha
             written += n
         if manifest is not None:
+            acquire(home, manifest.name, count=False)  # a fork's new session: take its lock on first commit
             for i, entry in enumerate(manifest.pages):
                 sha = entry.get("sha256") or checksums.get(entry["hash"]) or store.file_sha256(entry["hash"])
                 if sha is None:  # evicted by another process meanwhile: later pages are recomputed on restore

@@ -98,3 +98,13 @@ def block_hashes(tokens: Sequence[int], page_size: int, salt_hex: str, start: in
         h = _sha(bytes.fromhex(h), page)
         out.append(h)
     return out
+
+
+def partial_hash(tokens: Sequence[int], page_size: int, salt_hex: str) -> str:
+    """Key of the open (partial) last page of `tokens`: the chain up to it, then its own tokens."""
+    import numpy as np
+
+    n = len(tokens) // page_size
+    prev = block_hashes(tokens[:n * page_size], page_size, salt_hex)[-1] if n else salt_hex
+    tail = np.asarray(tokens[n * page_size:], dtype="<i4").tobytes()
+    return _sha(b"open", bytes.fromhex(prev), tail)

@@ -20,7 +20,11 @@ from ..errors import UserError
 from .store import atomic_write
 
 MANIFEST_FORMAT, MANIFEST_VERSION = "justfit-session", 1
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # used with fullmatch: no trailing newline
+HEX64 = re.compile(r"[0-9a-f]{64}")
+KV_FIELDS = {"name": str, "bits": int, "format": str, "group_size": int, "page_size": int,
+             "quantized_kv_start": int, "page_format_version": int}
+MAX_ID = 2**31 - 1
 
 
 class ManifestError(Exception):
@@ -34,7 +38,7 @@ def warn(msg: str):
 
 def check_name(name) -> str:
     """A session name safe as a file name: letters, digits, '.', '_', '-', not starting with '.'."""
-    if not isinstance(name, str) or "\x00" in name or not NAME_RE.match(name) or name.endswith((".prev", ".tmp")):
+    if not isinstance(name, str) or "\x00" in name or not NAME_RE.fullmatch(name) or name.endswith((".prev", ".tmp")):
         raise UserError(f"invalid session name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
                         "starting with a letter or digit (no paths)")
     return name
@@ -61,6 +65,7 @@ class Manifest:
     tokens: List[int] = field(default_factory=list)
     pages: List[dict] = field(default_factory=list)  # [{"hash", "sha256", "bytes"}] for tokens[:len*P]
     messages: List[dict] = field(default_factory=list)  # [{"role", "content", "end"}]
+    open_page: Optional[dict] = None  # {"hash", "sha256", "tokens"}: the partial last page, full precision
     model: str = ""
     parent: Optional[str] = None
     created: float = field(default_factory=time.time)
@@ -73,11 +78,13 @@ class Manifest:
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> "Manifest":
+    def from_bytes(cls, blob: bytes, vocab_size: Optional[int] = None) -> "Manifest":
+        """Parse and check a manifest: checksum, version, then every field's type and range (FORMAT.md);
+        ManifestError for anything else, so a damaged file is recovered from, never an internal error."""
         try:
             doc = json.loads(blob)
             checksum = doc.pop("checksum")
-        except (ValueError, KeyError, AttributeError, TypeError):
+        except (ValueError, KeyError, AttributeError, TypeError, RecursionError):
             raise ManifestError("unreadable JSON") from None
         body = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         if hashlib.sha256(body.encode()).hexdigest() != checksum:
@@ -88,9 +95,56 @@ class Manifest:
             m = cls(**doc)
         except TypeError as e:
             raise ManifestError(f"bad fields ({e})") from None
-        if len(m.pages) > len(m.tokens) // int(m.kv["page_size"]):
-            raise ManifestError("more pages than tokens")
+        m.check(vocab_size)
         return m
+
+    def check(self, vocab_size: Optional[int] = None):
+        """Explicit type and range checks of every field; ManifestError naming the first bad one."""
+        _expect(isinstance(self.name, str) and NAME_RE.fullmatch(self.name) is not None, "name")
+        for f in ("model_fingerprint", "tokenizer_fingerprint", "model"):
+            _expect(isinstance(getattr(self, f), str), f)
+        _expect(self.parent is None or isinstance(self.parent, str), "parent")
+        for f in ("created", "updated"):
+            v = getattr(self, f)
+            _expect(_is_num(v) and v == v and abs(v) < 1e12, f)
+        _expect(isinstance(self.kv, dict), "kv")
+        for k, t in KV_FIELDS.items():  # page_size is needed here; the rest is compared with the runtime's
+            _expect((k != "page_size" and k not in self.kv) or _is_type(self.kv.get(k), t), f"kv.{k}")
+        _expect(self.kv["page_size"] > 0, "kv.page_size")
+        _expect(isinstance(self.tokens, list), "tokens")
+        limit = MAX_ID + 1 if vocab_size is None else vocab_size
+        bad = next((i for i, t in enumerate(self.tokens) if not (_is_type(t, int) and 0 <= t < limit)), None)
+        _expect(bad is None, "tokens", f"item {bad} is {self.tokens[bad]!r}" if bad is not None else "",
+                "outside the vocabulary" if vocab_size is not None else "")
+        _expect(isinstance(self.pages, list) and len(self.pages) <= len(self.tokens) // self.kv["page_size"],
+                "pages", "more pages than tokens")
+        for i, p in enumerate(self.pages):
+            _expect(isinstance(p, dict) and isinstance(p.get("hash"), str) and HEX64.fullmatch(p["hash"]) is not None
+                    and (p.get("sha256") is None or isinstance(p["sha256"], str) and HEX64.fullmatch(p["sha256"])),
+                    f"pages[{i}]")
+        op = self.open_page
+        _expect(op is None or isinstance(op, dict) and isinstance(op.get("hash"), str)
+                and HEX64.fullmatch(op["hash"]) is not None
+                and (op.get("sha256") is None or isinstance(op["sha256"], str) and HEX64.fullmatch(op["sha256"]))
+                and _is_type(op.get("tokens"), int) and 0 < op["tokens"] < self.kv["page_size"], "open_page")
+        _expect(isinstance(self.messages, list), "messages")
+        for i, msg in enumerate(self.messages):
+            _expect(isinstance(msg, dict) and isinstance(msg.get("role"), str)
+                    and (msg.get("content") is None or isinstance(msg.get("content"), (str, list)))
+                    and _is_type(msg.get("end"), int) and 0 <= msg["end"] <= len(self.tokens), f"messages[{i}]")
+
+
+def _is_type(v, t) -> bool:
+    return isinstance(v, t) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _expect(ok: bool, field: str, *detail: str):
+    if not ok:
+        raise ManifestError(f"bad field {field}" + "".join(f" ({d})" for d in detail if d))
 
 
 def write_manifest(home: Path, m: Manifest):
@@ -102,28 +156,36 @@ def write_manifest(home: Path, m: Manifest):
         backup = tmp_dir / f"{path.name}.{os.getpid()}.prev"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         backup.unlink(missing_ok=True)
-        os.link(path, backup)  # the current commit stays in place until the new one replaces it
-        os.rename(backup, _prev_path(path))
+        try:
+            os.link(path, backup)  # the current commit stays in place until the new one replaces it
+            os.rename(backup, _prev_path(path))
+        finally:
+            backup.unlink(missing_ok=True)  # no partial file left when the disk is full or read-only
     atomic_write(path, m.to_bytes(), tmp_dir)
 
 
-def read_manifest(home: Path, name: str) -> Optional[Manifest]:
-    """The session's last good commit, or None when it does not exist; a damaged manifest falls back to
-    the previous commit with a warning, and to a UserError when both are damaged."""
+def read_manifest(home: Path, name: str, vocab_size: Optional[int] = None) -> Optional[Manifest]:
+    """The session's last good commit, or None when it does not exist. A damaged, unreadable or missing
+    manifest whose previous commit survives falls back to it with a warning; both damaged: UserError.
+    With vocab_size, token ids outside the vocabulary count as damage (never fed to the model)."""
     path = manifest_path(home, name)
-    if not path.exists():
-        return None
-    try:
-        return Manifest.from_bytes(path.read_bytes())
-    except ManifestError as e:
-        reason = str(e)
     prev = _prev_path(path)
     try:
-        m = Manifest.from_bytes(prev.read_bytes())
+        return Manifest.from_bytes(path.read_bytes(), vocab_size)
+    except FileNotFoundError:
+        if not os.path.lexists(prev):
+            return None
+        reason = "missing"
+    except OSError as e:  # a symlink loop, a folder in its place, no permission
+        reason = f"unreadable: {e.strerror or e}"
+    except ManifestError as e:
+        reason = str(e)
+    try:
+        m = Manifest.from_bytes(prev.read_bytes(), vocab_size)
     except (OSError, ManifestError):
         raise UserError(f"session {name!r}: manifest {path} is damaged ({reason}) and has no good "
                         f"previous commit; remove it with `justfit sessions rm {name}`") from None
-    warn(f"session {name!r}: manifest is damaged ({reason}); resuming from the previous commit")
+    warn(f"session {name!r}: manifest is damaged ({reason}); resuming from the previous commit {prev.name}")
     return m
 
 
@@ -143,7 +205,7 @@ def list_manifests(home: Path) -> List[Manifest]:
 def remove_manifest(home: Path, name: str) -> bool:
     """Delete a session's manifest and its backup; False when there was none."""
     path = manifest_path(home, name)
-    found = path.exists()
+    found = os.path.lexists(path) or os.path.lexists(_prev_path(path))
+    _prev_path(path).unlink(missing_ok=True)  # the backup first: a crash in between never resurrects it
     path.unlink(missing_ok=True)
-    _prev_path(path).unlink(missing_ok=True)
     return found

@@ -1,30 +1,31 @@
-"""Plain `Runtime.stream`/`generate` with prefix reuse: attach the longest cached prefix, prefill the
-rest, then index (and persist) the sealed pages so the next prompt sharing them skips their prefill."""
+"""Plain requests with prefix reuse: attach the longest cached prefix (token-exact), let the caller
+prefill the rest and decode, then index (and persist) the pages so the next prompt skips them."""
+
+from contextlib import contextmanager
 
 from .manifest import warn
 from .store import StoreWriteError
 
 
-def stream_reusing_prefix(rt, tokens, max_tokens, temperature, seed, top_p):
-    """Yield rt.stream_tokens' chunks over a cache that starts with the longest cached prefix of tokens."""
+@contextmanager
+def reusing_prefix(index, cache, tokens):
+    """`with reusing_prefix(index, cache, tokens) as (cache, reused, out):` cache starts with the
+    longest cached prefix of tokens (at least one token is left to compute); append generated ids to
+    `out`. On exit the pages of tokens + out are published, sealed ones written to the store, and
+    the cache's sequence is released."""
     from ..kvexec import sequence_of
     from .checkpoint import commit
 
-    index = rt.prefix_index()
-    cache = rt.make_cache()
     seq = sequence_of(cache)
     reused = index.extend(seq, tokens, limit=len(tokens) - 1) if len(tokens) > 1 else 0
     out = []
     try:
-        for chunk in rt.stream_tokens(tokens, cache, max_tokens, temperature, seed, top_p, reused_tokens=reused):
-            if chunk.token >= 0:
-                out.append(chunk.token)
-            yield chunk
+        yield cache, reused, out
     finally:
         published = index.publish(seq, list(tokens) + out)
-        if getattr(index, "persist", True):
+        if index.persist:
             try:
-                commit(index.store, rt.home, None, index.new_pages(published), index.checksums)
+                commit(index.store, index.home, None, index.new_pages(published), index.checksums)
             except (StoreWriteError, OSError) as e:
                 warn(f"prefix pages stay in memory only: {e}")
                 index.persist = False

@@ -1,60 +1,135 @@
 """Session: a named, persisted conversation whose KV lives in shared pages and survives restarts.
 
 Each turn appends tokens (the chat template's rendering of the new messages, then the reply) to the
-session's token ids; only tokens not already in its pages (or in the prefix index) are prefilled. At the
-end of every turn, and every `checkpoint_every` tokens of a long prefill, sealed pages not yet on disk
-are written and the manifest is committed. Restore reattaches pages lazily; what cannot be restored is
-recomputed from the token ids.
+session's token ids; only tokens not already in its pages (or in the prefix index) are prefilled, by the
+runtime's one generation path. At the end of every turn, and every `checkpoint_every` tokens of a long
+prefill, sealed pages not yet on disk are written; the open last page is written too (full precision)
+and the manifest is committed, so a restart re-prefills no old token. Restore reattaches pages lazily;
+what cannot be restored is recomputed from the token ids.
+
+The runtime is passed in and used through its methods (encode renderer, prefill, stream_tokens,
+tool_phase); sessions never import it.
 """
 
+import itertools
 import time
 from typing import Iterator, List, Optional
 
 from ..errors import UserError
-from .checkpoint import commit
+from ..kvexec import Page
+from ..models.chat import chat_text, encode_text
+from ..models.vocab import check_token_ids, vocab_size
+from ..turns import Generation, TurnStats
+from .checkpoint import commit, open_page_tensors, page_loaders
+from .lock import acquire as acquire_lock  # issue 15
+from .lock import release as release_lock  # issue 15
 from .manifest import Manifest, check_name, manifest_path, read_manifest, warn
-from .store import StoreWriteError
+from .store import CorruptPage, StoreWriteError
 
 CHECKPOINT_EVERY = 2048
+_ephemeral = itertools.count()
 
 
 class Session:
-    """One named history over the runtime's shared page pool (see the module docstring)."""
+    """One history over the runtime's shared page pool (see the module docstring). A session made with
+    `persist=False` (agents' unnamed conversations) shares pages the same way but writes nothing."""
 
-    def __init__(self, rt, name: str, tokens=(), messages=(), cache=None, parent: Optional[str] = None,
-                 created: Optional[float] = None, checkpoint_every: Optional[int] = CHECKPOINT_EVERY):
+    def __init__(self, rt, name: Optional[str], tokens=(), messages=(), cache=None, parent: Optional[str] = None,
+                 created: Optional[float] = None, checkpoint_every: Optional[int] = CHECKPOINT_EVERY,
+                 persist: bool = True):
         from ..kvexec import sequence_of
 
-        self.rt, self.name = rt, check_name(name)
-        self.index = rt.prefix_index()
-        self.cache = cache if cache is not None else rt.make_cache()
+        self.rt = rt
+        self.name = check_name(name) if persist else (name or f"ephemeral-{next(_ephemeral)}")
+        self.index = rt.index
+        self.cache = cache if cache is not None else rt.make_cache(resident=False)
         self.seq = sequence_of(self.cache)
         self.tokens: List[int] = list(tokens)
         self.messages: List[dict] = [dict(m) for m in messages]
         self.parent, self.created = parent, created or time.time()
         self.checkpoint_every = checkpoint_every
-        self.persist, self.closed, self.dirty = True, False, False
-        self.last_stats: dict = {}
+        self.persist, self.closed, self.dirty = persist, False, False
+        self.writable = True  # False after the store failed once: auto checkpoints stay in memory
+        self.last_stats = TurnStats()
         self.restore_s = 0.0
+        self.kv_name = f"kv:session:{self.name}" if persist else None
+        if self.kv_name:
+            rt.register_kv(self.kv_name, self.cache, self.resident_bytes, self.release_pages, lambda: not self.dirty)
 
     # -- open / restore -------------------------------------------------------------------------
     @classmethod
     def open(cls, rt, name: str, checkpoint_every: Optional[int] = CHECKPOINT_EVERY) -> "Session":
         """Resume the named session from its manifest, or start it empty."""
         check_name(name)
+        acquire_lock(rt.home, name)  # issue 15: one writer process per session (statetrans/lock.py)
+        try:
+            return cls._open(rt, name, checkpoint_every)
+        except BaseException:
+            release_lock(rt.home, name)
+            raise
+
+    @classmethod
+    def _open(cls, rt, name: str, checkpoint_every: Optional[int]) -> "Session":
         start = time.perf_counter()
-        m = read_manifest(rt.home, name)
+        m = read_manifest(rt.home, name, vocab_size(rt.model))  # issue 15: S.prev.json fallback, ids checked
         if m is None:
             return cls(rt, name, checkpoint_every=checkpoint_every)
-        index = rt.prefix_index()
+        index = rt.index
         _check_compatible(m, index, name)
         s = cls(rt, name, m.tokens, m.messages, parent=m.parent, created=m.created,
                 checkpoint_every=checkpoint_every)
         hashes = index.hashes(m.tokens)
         sums = [p.get("sha256") if p.get("hash") == hashes[i] else None for i, p in enumerate(m.pages)]
         index.extend(s.seq, m.tokens, checksums=sums, label=f"session {name!r}")
+        s._restore_open_page(m.open_page)
         s.restore_s = time.perf_counter() - start
         return s
+
+    def _restore_open_page(self, entry: Optional[dict]):
+        """Attach the checkpointed open page when every page before it was restored and it matches."""
+        P, n = self.index.page_size, len(self.seq.table)
+        if not entry or self.kv_tokens != n * P or entry.get("hash") is None:
+            return
+        m = int(entry.get("tokens", 0))
+        if not 0 < m < P or len(self.tokens) < n * P + m:
+            return
+        from .hashing import partial_hash
+
+        if partial_hash(self.tokens[:n * P + m], P, self.index.salt) != entry["hash"]:
+            return
+        try:
+            pf = self.index.store.open(entry["hash"], entry.get("sha256"))
+            kinds, loaders = page_loaders(pf, self.index.pool.n_layers, pad_to=P)
+        except (CorruptPage, ValueError, KeyError, OSError) as e:
+            warn(f"session {self.name!r}: the open page is unusable ({e}); recomputing {m} tokens")
+            return
+        self.seq.append_restored(kinds, loaders, n_tokens=m)
+
+    def resident_bytes(self) -> int:
+        """Bytes of this session's pages held in memory now (lazily restored pages count once loaded)."""
+        pool, mine = self.seq.pool, set(self.seq.table)
+        return sum(p.nbytes for layer in pool.records for pid, p in layer.items() if pid in mine)
+
+    def release_pages(self) -> int:
+        """Swap this session's pages that are safe in the store for lazy loaders, freeing their memory
+        (PhaseSwap's tool phase calls this after a checkpoint); they reload on first use. Bytes freed."""
+        before, P = self.resident_bytes(), self.index.page_size
+        hashes = self.index.hashes(self.tokens[:self.kv_tokens])
+        swaps = [(pid, hashes[i], None) for i, pid in enumerate(self.seq.table[:len(hashes)])]
+        op = self.index.open_page(self.seq, self.tokens)
+        if op is not None:
+            swaps.append((self.seq.table[self.kv_tokens // P], op[0], P))
+        for pid, h, pad in swaps:
+            if not self.index.store.has(h):
+                continue
+            try:
+                kinds, loaders = page_loaders(self.index.store.open(h, self.index.checksums.get(h)),
+                                              self.index.pool.n_layers, pad_to=pad)
+            except (CorruptPage, ValueError, KeyError, OSError):
+                continue  # keep it in memory
+            for layer, (kind, load) in enumerate(zip(kinds, loaders)):
+                self.index.pool.put(layer, pid, Page(kind, loader=load))
+        return before - self.resident_bytes()
 
     @property
     def kv_tokens(self) -> int:
@@ -63,47 +138,48 @@ class Session:
 
     # -- turns ----------------------------------------------------------------------------------
     def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, seed: Optional[int] = None,
-                 top_p: float = 1.0):
+                 top_p: float = 1.0, **options) -> Generation:
         """Append a turn (text = one user message, a message list, or raw token ids) and the reply."""
-        from ..runtime import Generation
-
-        chunks = list(self.stream(prompt, max_tokens, temperature, seed, top_p))
-        tokens = [c.token for c in chunks if c.token >= 0]
-        return Generation("".join(c.text for c in chunks), tokens, dict(self.last_stats))
+        chunks = list(self.stream(prompt, max_tokens, temperature, seed, top_p, **options))
+        return Generation("".join(c.text for c in chunks), [c.token for c in chunks if c.token >= 0],
+                          self.last_stats)
 
     def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0, seed: Optional[int] = None,
-               top_p: float = 1.0) -> Iterator:
-        """Like Runtime.stream, on this session's history; stats land in self.last_stats."""
+               top_p: float = 1.0, **options) -> Iterator:
+        """Like Runtime.stream, on this session's history (same options); stats land in self.last_stats."""
         self._check_open()
         start = time.perf_counter()
         delta, new_msgs = self._delta(prompt)
         if not delta:
             raise UserError("nothing to generate from: the new turn renders to no tokens")
+        progress = options.pop("progress", None)
         self.tokens += delta
         self.dirty = True
         for m in new_msgs:
             m["end"] = len(self.tokens)
         reused = self.index.extend(self.seq, self.tokens, limit=len(self.tokens) - 1,
                                    label=f"session {self.name!r}")
-        ckpt_s, written = self._long_prefill()
-        texts, out, first = [], [], None
+        ckpt_s, written = self._long_prefill(progress)
+        prompt_tokens, fed, texts, first = list(self.tokens), [], [], None
         try:
             for chunk in self.rt.stream_tokens(self.tokens, self.cache, max_tokens, temperature, seed, top_p,
-                                               reused_tokens=self.kv_tokens):
+                                               reused_tokens=self.kv_tokens, progress=progress, fed=fed,
+                                               **options):
                 first = first or time.perf_counter()
                 texts.append(chunk.text)
-                if chunk.token >= 0:
-                    out.append(chunk.token)
                 yield chunk
         finally:
-            stats = dict(self.rt.last_stats)
-            self._end_turn(new_msgs, out, "".join(texts))
+            stats = self.rt.last_stats
+            eos = set(self.rt.tokenizer.eos_token_ids)
+            self._end_turn(prompt_tokens, fed, [t for t in fed if t not in eos], new_msgs, "".join(texts))
             c = self.checkpoint(auto=True)
-            stats.update(reused_tokens=reused, checkpoint_s=ckpt_s + c["checkpoint_s"],
-                         disk_bytes_written=written + c["disk_bytes_written"], history_tokens=len(self.tokens),
-                         turn_s=time.perf_counter() - start)
-            if first is not None:
-                stats["ttft_s"] = first - start
+            stats.reused_tokens, stats.prefilled_tokens = reused, len(prompt_tokens) - reused
+            stats.checkpoint_s, stats.disk_bytes_written = ckpt_s + c["checkpoint_s"], written + c["disk_bytes_written"]
+            stats.history_tokens, stats.restore_s = len(self.tokens), self.restore_s
+            if first is not None:  # from this call: restore and long-prefill checkpoints count too
+                stats.ttft_s = first - start
+            stats.turn_s = time.perf_counter() - start
+            self.restore_s = 0.0
             self.last_stats = stats
 
     def _delta(self, prompt):
@@ -116,52 +192,44 @@ class Session:
             msgs = [{"role": m["role"], "content": m.get("content", "")} for m in prompt]
         else:
             raise UserError("prompt must be a string, a list of {'role', 'content'} messages or token ids")
-        before, after = self._render(self.messages, False), self._render(self.messages + msgs, True)
-        text = after[len(before):] if after.startswith(before) else self._render(msgs, True)
-        return self._encode(text), msgs
-
-    def _render(self, messages, generation_prompt: bool) -> str:
-        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
         tok = self.rt.tokenizer
-        if not msgs:
-            return ""
-        if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template(msgs, add_generation_prompt=generation_prompt, tokenize=False)
-        return "\n".join(m["content"] for m in msgs) + ("\n" if generation_prompt else "")
+        before = chat_text(tok, self.messages, False)
+        after = chat_text(tok, self.messages + msgs, True)
+        text = after[len(before):] if after.startswith(before) else chat_text(tok, msgs, True)
+        return encode_text(tok, text, first=not self.tokens), msgs
 
-    def _encode(self, text: str) -> List[int]:
-        tok = self.rt.tokenizer
-        if getattr(tok, "chat_template", None):
-            return list(tok.encode(text, add_special_tokens=False))
-        return list(tok.encode(text, add_special_tokens=not self.tokens))
+    def _long_prefill(self, progress=None):
+        """Prefill all but the last token in `checkpoint_every`-token chunks, checkpointing pages after each
+        chunk (a crash mid-prefill keeps the work done); returns (seconds checkpointing, bytes written)."""
+        todo = len(self.tokens) - 1 - self.kv_tokens
+        if not self.checkpoint_every or todo <= self.checkpoint_every:
+            return 0.0, 0
+        spent = [0.0, 0]
 
-    def _long_prefill(self):
-        """Prefill all but the last chunk in `checkpoint_every`-token steps, checkpointing pages after each
-        step (a crash mid-prefill keeps the work done); returns (seconds checkpointing, bytes written)."""
-        import mlx.core as mx
-
-        step, spent, written = self.checkpoint_every, 0.0, 0
-        while step and len(self.tokens) - self.kv_tokens > step:
-            at = self.kv_tokens
-            self.rt.model(mx.array(self.tokens[at:at + step])[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+        def save():
             c = self.checkpoint(auto=True, manifest=False)
-            spent, written = spent + c["checkpoint_s"], written + c["disk_bytes_written"]
-        return spent, written
+            spent[0] += c["checkpoint_s"]
+            spent[1] += c["disk_bytes_written"]
 
-    def _end_turn(self, new_msgs, reply: List[int], text: str):
-        """Record the reply, drop K/V of tokens not in the history (an EOS fed by the sampler), and append
-        the template's closing tokens (prefilled with the next turn)."""
+        self.rt.prefill(self.tokens[self.kv_tokens:-1], self.cache, progress, after_chunk=save,
+                        step=self.checkpoint_every)
+        return spent[0], spent[1]
+
+    def _end_turn(self, prompt_tokens: List[int], fed: List[int], reply: List[int], new_msgs, text: str):
+        """Record the reply and the template's closing tokens (prefilled with the next turn), keeping the
+        K/V of every fed token that is also in the history (an end-of-turn id usually is)."""
         self.tokens += reply
-        self._trim_kv(len(self.tokens))
-        if not new_msgs:
-            return
-        head = self._render(self.messages + new_msgs, True)
-        self.messages += new_msgs + [{"role": "assistant", "content": text, "end": len(self.tokens)}]
-        full = self._render(self.messages, False)
-        if full.startswith(head + text):
-            self.tokens += self._encode(full[len(head) + len(text):])
-            self.messages[-1]["end"] = len(self.tokens)
+        if new_msgs:
+            tok = self.rt.tokenizer
+            head = chat_text(tok, self.messages + new_msgs, True)
+            self.messages += new_msgs + [{"role": "assistant", "content": text, "end": len(self.tokens)}]
+            full = chat_text(tok, self.messages, False)
+            if full.startswith(head + text):
+                self.tokens += encode_text(tok, full[len(head) + len(text):], first=False)
+                self.messages[-1]["end"] = len(self.tokens)
+        had = prompt_tokens + fed
+        keep = next((i for i, (a, b) in enumerate(zip(had, self.tokens)) if a != b), min(len(had), len(self.tokens)))
+        self._trim_kv(keep)
 
     def _trim_kv(self, n: int):
         for c in self.cache:
@@ -176,13 +244,25 @@ class Session:
         self._check_open()
         if len(self.tokens) > self.kv_tokens:
             self.index.extend(self.seq, self.tokens, label=f"session {self.name!r}")
-        while len(self.tokens) > self.kv_tokens:
-            at = self.kv_tokens
-            self.rt.model(mx.array(self.tokens[at:at + 2048])[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+        if len(self.tokens) > self.kv_tokens:
+            self.rt.prefill(self.tokens[self.kv_tokens:], self.cache)
         mx.eval([c.state for c in self.cache])
 
     # -- history edits --------------------------------------------------------------------------
+    def append(self, tokens: List[int]):
+        """Append raw token ids to the history without generating (their K/V come with the next turn or
+        prefill())."""
+        self._check_open()
+        check_token_ids(list(tokens), vocab_size(self.rt.model))
+        self.tokens += list(tokens)
+        self.dirty = True
+
+    def set_messages(self, messages: List[dict]):
+        """Replace the recorded chat messages (a front that renders its own prompts, like an agent loop,
+        keeps them here so a resumed session can show and continue them)."""
+        self.messages = [dict(m, end=min(m.get("end", len(self.tokens)), len(self.tokens))) for m in messages]
+        self.dirty = True
+
     def rewind(self, n_tokens: int):
         """Drop the last n tokens of the history (and their K/V; shared pages are copied on write)."""
         self._check_open()
@@ -193,33 +273,36 @@ class Session:
         self._trim_kv(keep)
         self.messages = [m for m in self.messages if m["end"] <= keep]
 
-    def fork(self, child: str) -> "Session":
+    def fork(self, child: Optional[str] = None) -> "Session":
         """A new session sharing every page of this one without copying (copy-on-write at the partial
-        last page); it is committed at once (no page bytes: they are the parent's)."""
+        last page); a named child of a persisted session is committed at once (no page bytes: they are
+        the parent's), child=None gives an in-memory one."""
         from ..kvexec import fork_caches
 
         self._check_open()
-        check_name(child)
-        if child == self.name or manifest_path(self.rt.home, child).exists():
-            raise UserError(f"session {child!r} already exists; fork into a new name")
+        persist = self.persist and child is not None
+        if persist:
+            check_name(child)
+            if child == self.name or manifest_path(self.rt.home, child).exists():
+                raise UserError(f"session {child!r} already exists; fork into a new name")
         s = Session(self.rt, child, self.tokens, self.messages, cache=fork_caches(self.cache),
-                    parent=self.name, checkpoint_every=self.checkpoint_every)
-        s.persist = self.persist
+                    parent=self.name, checkpoint_every=self.checkpoint_every, persist=persist)
         s.checkpoint(auto=True)
         return s
 
     # -- persistence ----------------------------------------------------------------------------
     def checkpoint(self, auto: bool = False, manifest: bool = True) -> dict:
-        """Write sealed pages not yet on disk and commit the manifest; {'checkpoint_s',
+        """Write sealed pages and the open page not yet on disk and commit the manifest; {'checkpoint_s',
         'disk_bytes_written'}. A store that cannot be written: UserError (auto: one warning, and the
-        session continues in memory)."""
+        session continues in memory). A session made with persist=False only indexes its pages."""
         start = time.perf_counter()
         published = self.index.publish(self.seq, self.tokens)
-        if not self.persist and auto:
+        if not self.persist or (auto and not self.writable):
             return {"checkpoint_s": time.perf_counter() - start, "disk_bytes_written": 0}
         try:
             new = self.index.new_pages(published)
-            m = self._manifest(published) if manifest else None
+            open_entry = self._open_page(new) if manifest else None
+            m = self._manifest(published, open_entry) if manifest else None
             written = commit(self.index.store, self.rt.home, m, new, self.index.checksums,
                              keep=self.index.live_pages)
         except (StoreWriteError, OSError) as e:
@@ -227,32 +310,36 @@ class Session:
                 f"cannot write the session store at {self.rt.home}: {e}; the session continues in memory")
             if not auto:
                 raise err from None
-            if self.persist:
+            if self.writable:
                 warn(f"session {self.name!r}: {err}")
-            self.persist = False
+            self.writable = False
             return {"checkpoint_s": time.perf_counter() - start, "disk_bytes_written": 0}
-        self.persist, self.dirty = True, self.dirty and not manifest
+        self.writable, self.dirty = True, self.dirty and not manifest
         return {"checkpoint_s": time.perf_counter() - start, "disk_bytes_written": written}
 
-    def _manifest(self, published) -> Manifest:
+    def _open_page(self, new: list) -> Optional[dict]:
+        """The manifest entry of the open last page; its tensors join `new` when the store lacks them."""
+        op = self.index.open_page(self.seq, self.tokens)
+        if op is None:
+            return None
+        h, m, pages = op
+        if not self.index.store.has(h):
+            new.append((h, *open_page_tensors(pages, m)))
+        return {"hash": h, "tokens": m}
+
+    def _manifest(self, published, open_entry: Optional[dict]) -> Manifest:
         fps = self.index.fingerprints
         pages = [{"hash": h, "sha256": self.index.checksums.get(h)} for _, h, _ in published]
+        if open_entry is not None:
+            open_entry["sha256"] = self.index.checksums.get(open_entry["hash"])
         return Manifest(self.name, fps["model"], fps["tokenizer"], dict(self.index.kv), list(self.tokens),
-                        pages, [dict(m) for m in self.messages], model=str(self.rt.model_spec),
-                        parent=self.parent, created=self.created)
+                        pages, [dict(m) for m in self.messages], open_page=open_entry,
+                        model=str(self.rt.model_spec), parent=self.parent, created=self.created)
 
     def tool_phase(self):
-        """`with s.tool_phase():` checkpoints this session, then PhaseSwap releases the weights while a
-        tool runs; the next generate brings them back just in time."""
-        from ..phaseswap.toolphase import tool_phase
-
-        return tool_phase(self.rt, self)
-
-    def suspend(self) -> int:
-        """Checkpoint and release the weights until the next generate; bytes released."""
-        from ..phaseswap.toolphase import suspend
-
-        return suspend(self.rt, self)
+        """`with s.tool_phase():` checkpoints this session, then PhaseSwap releases the weights and its
+        pages while a tool runs; the next generate brings them back just in time."""
+        return self.rt.tool_phase(self)
 
     def close(self):
         """Checkpoint and release this session's pages (the prefix index may keep them in memory)."""
@@ -261,7 +348,10 @@ class Session:
         if self.dirty:
             self.checkpoint(auto=True)
         self.seq.release()
+        if self.kv_name:
+            self.rt.unregister_kv(self.kv_name)
         self.closed = True
+        release_lock(self.rt.home, self.name)  # issue 15
 
     def _check_open(self):
         if self.closed:

@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ..errors import UserError
+from ..atomic import atomic_write, fsync_dir  # noqa: F401  (the one helper; re-exported for the store's callers)
 
 PAGE_FORMAT, PAGE_VERSION = "justfit-kv-page", "1"
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "I32": np.int32,
@@ -39,36 +40,6 @@ class StoreWriteError(UserError):
 def write_error(path, e: OSError) -> StoreWriteError:
     return StoreWriteError(f"cannot write the session store at {path}: {e.strerror or e}; "
                            "the session continues in memory (set JUSTFIT_HOME to a writable disk to persist it)")
-
-
-def fsync_dir(path: Path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes, tmp_dir: Path):
-    """Write `data` to `path` all-or-nothing: temp file in tmp_dir, fsync, rename, fsync the folder."""
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir / f"{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def encode_page(tensors: Dict[str, object], metadata: Dict[str, str]) -> bytes:
@@ -109,12 +80,13 @@ def decode_header(blob: bytes) -> Tuple[dict, int]:
     if not isinstance(meta, dict) or meta.get("format") != PAGE_FORMAT or meta.get("version") != PAGE_VERSION:
         raise CorruptPage("not a version-1 JustFit page")
     start, end = 8 + n, 8
+    if not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptPage("metadata values must be strings")
     for name, e in header.items():
-        try:
-            lo, hi = e["data_offsets"]
-            size = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(DTYPES[e["dtype"]]).itemsize
-        except (KeyError, TypeError, ValueError):
-            raise CorruptPage(f"bad tensor entry {name!r}") from None
+        if not _tensor_entry_ok(e):
+            raise CorruptPage(f"bad tensor entry {name!r}")
+        lo, hi = e["data_offsets"]
+        size = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(DTYPES[e["dtype"]]).itemsize
         if hi - lo != size or lo < 0 or start + hi > len(blob):
             raise CorruptPage(f"tensor {name!r} out of bounds (truncated?)")
         end = max(end, hi)
@@ -124,6 +96,14 @@ def decode_header(blob: bytes) -> Tuple[dict, int]:
         raise CorruptPage("checksum mismatch")
     header["__metadata__"] = meta
     return header, start
+
+
+def _tensor_entry_ok(e) -> bool:
+    """A header entry is {"dtype": known tag, "shape": [ints >= 0], "data_offsets": [lo <= hi]} (typed check)."""
+    ints = lambda xs, n=None: isinstance(xs, list) and (n is None or len(xs) == n) and all(  # noqa: E731
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**48 for x in xs)
+    return (isinstance(e, dict) and e.get("dtype") in DTYPES and ints(e.get("shape")) and len(e["shape"]) <= 8
+            and ints(e.get("data_offsets"), 2) and e["data_offsets"][0] <= e["data_offsets"][1])
 
 
 class PageFile:

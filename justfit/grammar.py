@@ -1,9 +1,11 @@
-"""Schema-constrained tool calls with llguidance: every emitted call parses and validates.
+"""Constrained decoding with llguidance: every emitted tool call or JSON reply parses and validates.
 
-The grammar is Lark with an embedded JSON schema (`%json`): the call's name is a `const` per tool
-and its arguments follow the tool's schema (closed objects, strings capped at `max_string` chars so
-a call always fits in the step's token budget). tool_choice "auto" also allows a plain-text answer
-(which may not start with the call's first character), "required" and {name} allow only calls.
+A Constraint masks logits before sampling and follows the sampled tokens (the interface the token loop
+takes as `constraint=`). Grammars are Lark with embedded JSON schemas (`%json`): a tool call's name is a
+`const` per tool and its arguments follow the tool's schema (closed objects, strings capped at
+`max_string` chars so a call fits in the token budget). tool_choice "auto" also allows a plain-text
+answer (which may not start with the call's first character); "required" and {name} allow only calls.
+Tools are any objects with `.name` and `.parameters` (a JSON schema).
 """
 
 import copy
@@ -13,16 +15,17 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 
 from .toolcalls import Syntax
-from .tools import Tool
 
 ToolChoice = Union[str, dict]
 _TOKENIZERS: Dict[int, object] = {}
+# compact JSON with fixed separators: no room for runs of whitespace, which small models love
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def choice_name(tool_choice: ToolChoice) -> Optional[str]:
     """The forced tool's name for a {name} choice (also OpenAI's {"function": {"name"}}), else None."""
     if isinstance(tool_choice, dict):
-        name = tool_choice.get("name") or tool_choice.get("function", {}).get("name")
+        name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
         if not name:
             raise ValueError(f"tool_choice dict needs a name: {tool_choice!r}")
         return name
@@ -31,8 +34,8 @@ def choice_name(tool_choice: ToolChoice) -> Optional[str]:
     return None
 
 
-def closed(schema: dict, max_string: int) -> dict:
-    """A copy of an argument schema with objects closed and strings capped, for the grammar."""
+def closed(schema: dict, max_string: Optional[int]) -> dict:
+    """A copy of a schema with objects closed and strings capped (None: uncapped), for the grammar."""
     s = copy.deepcopy(schema)
 
     def walk(node):
@@ -40,7 +43,7 @@ def closed(schema: dict, max_string: int) -> dict:
             if node.get("type") == "object":
                 node.setdefault("additionalProperties", False)
                 node.setdefault("properties", {})
-            if node.get("type") == "string":
+            if node.get("type") == "string" and max_string is not None:
                 node["maxLength"] = min(node.get("maxLength", max_string), max_string)
             node.pop("default", None)
             for v in node.values():
@@ -53,37 +56,62 @@ def closed(schema: dict, max_string: int) -> dict:
     return s
 
 
-def call_schema(tools: List[Tool], syntax: Syntax, max_string: int) -> dict:
+def call_schema(tools: list, syntax: Syntax, max_string: int) -> dict:
     """JSON schema of one call to any of `tools`: {"name": const, args_key: that tool's schema}."""
     options = [{"type": "object",
                 "properties": {"name": {"const": t.name}, syntax.args_key: closed(t.parameters, max_string)},
                 "required": ["name", syntax.args_key], "additionalProperties": False} for t in tools]
     schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
-    # compact JSON with fixed separators: no room for runs of whitespace, which small models love
-    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    schema["x-guidance"] = COMPACT
     return schema
 
 
-def lark_grammar(tools: List[Tool], syntax: Syntax, tool_choice: ToolChoice, max_string: int = 500) -> Optional[str]:
-    """The Lark grammar for one assistant step, or None when nothing is constrained."""
+def lark_grammar(tools: list, syntax: Syntax, tool_choice: ToolChoice, max_string: int = 500) -> Optional[str]:
+    """The Lark grammar for one assistant reply with tools, or None when nothing is constrained."""
     forced = choice_name(tool_choice)
     if tool_choice == "none" or not tools:
         return None
     if forced is not None:
         tools = [t for t in tools if t.name == forced]
         if not tools:
-            raise ValueError(f"tool_choice names {forced!r}, which is not one of the agent's tools")
+            raise ValueError(f"tool_choice names {forced!r}, which is not one of the tools")
     lit = lambda s: json.dumps(s)  # noqa: E731  (a Lark string literal is a JSON string)
     call = "call: " + " ".join(x for x in (lit(syntax.prefix) if syntax.prefix else "", "body",
                                             lit(syntax.suffix) if syntax.suffix else "") if x)
     rules = [call, "body: %json " + json.dumps(call_schema(tools, syntax, max_string))]
     if tool_choice == "auto":
-        first = (syntax.prefix or "{")[0]
         rules.insert(0, "start: call | answer")
-        rules.append(f"answer: /[^{json.dumps(first)[1:-1]}\\s][\\s\\S]*/")
+        rules.append(_answer_rule(syntax))
     else:
         rules.insert(0, "start: call")
     return "\n".join(rules) + "\n"
+
+
+def _answer_rule(syntax: Syntax) -> str:
+    """Plain text that cannot be mistaken for a call: it may not start with the call's first character."""
+    first = (syntax.prefix or "{")[0]
+    return f"answer: /[^{json.dumps(first)[1:-1]}\\s][\\s\\S]*/"
+
+
+def answer_grammar(syntax: Syntax) -> str:
+    """tool_choice "none" with the tools still in the prompt: a text answer, never a call."""
+    return "start: answer\n" + _answer_rule(syntax) + "\n"
+
+
+def json_grammar(schema: Optional[dict] = None, strict: bool = False) -> str:
+    """The Lark grammar of a JSON reply: any JSON object (schema None) or one following `schema`
+    (strict: objects closed, as OpenAI's strict mode requires)."""
+    s = closed(schema, None) if schema is not None and strict else dict(schema or {"type": "object"})
+    s["x-guidance"] = COMPACT
+    return "start: %json " + json.dumps(s) + "\n"
+
+
+def check_grammar(grammar: str) -> Optional[str]:
+    """Why llguidance refuses a grammar (a bad schema), or None when it compiles."""
+    import llguidance as llg
+
+    bad, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    return "; ".join(m.split("\n")[0] for m in messages) or "invalid grammar" if bad else None
 
 
 def ll_tokenizer(tokenizer, n_vocab: int):
@@ -99,7 +127,7 @@ def ll_tokenizer(tokenizer, n_vocab: int):
 
 
 class Constraint:
-    """One step's grammar state: masks logits before sampling and follows the sampled tokens."""
+    """One reply's grammar state: masks logits before sampling and follows the sampled tokens."""
 
     def __init__(self, tokenizer, n_vocab: int, grammar: str):
         import llguidance as llg
@@ -107,7 +135,7 @@ class Constraint:
         self.n_vocab = n_vocab
         self.matcher = llg.LLMatcher(ll_tokenizer(tokenizer, n_vocab), grammar)
         if self.matcher.is_error():
-            raise ValueError(f"bad tool-call grammar: {self.matcher.get_error()}")
+            raise ValueError(f"bad grammar: {self.matcher.get_error()}")
         self.words = np.zeros(((n_vocab + 31) // 32,), dtype=np.int32)
 
     def allowed(self) -> np.ndarray:

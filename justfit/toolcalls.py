@@ -7,14 +7,13 @@
 - "justfit" (any template without tool support, e.g. SmolLM2): the tool list and the call syntax
   are written into the system message (below); calls use the Hermes tags; each result comes back
   as a user message `<tool_response name="NAME">\nRESULT\n</tool_response>`.
+Tools are any objects with `.schema()` returning the OpenAI function schema.
 """
 
 import json
 import re
 from dataclasses import dataclass
 from typing import List, Optional
-
-from .tools import Tool, describe
 
 JUSTFIT_TOOL_PROMPT = """# Tools
 You can call these tools; each line is one tool's JSON schema:
@@ -28,6 +27,11 @@ The result comes back inside <tool_response>...</tool_response>. {finish}"""
 
 FINISH_TEXT = "When you know the answer, reply with it in plain text, without a tool call."
 FINISH_TOOL = "When you know the answer, call final_answer with it."
+
+
+def describe(tools: list) -> str:
+    """One JSON line per tool, for prompts of models without native tool syntax."""
+    return "\n".join(json.dumps(t.schema()["function"], ensure_ascii=False) for t in tools)
 
 
 @dataclass
@@ -71,7 +75,7 @@ class Syntax:
             return {"role": "tool", "name": name, "content": result}
         return {"role": "user", "content": f'<tool_response name="{name}">\n{result}\n</tool_response>'}
 
-    def render(self, tokenizer, messages: List[dict], tools: List[Tool], finish: str,
+    def render(self, tokenizer, messages: List[dict], tools: list, finish: str,
                generation_prompt: bool = True) -> str:
         """The whole conversation as prompt text: tools either through the template or written
         into the system message."""

@@ -1,0 +1,283 @@
+"""`justfit bench serve`: `justfit serve` vs `mlx_lm.server`, both started here as subprocesses on
+loopback on the same model folder and driven by the same async httpx client.
+
+Workload: an agent trace per conversation: a system prompt, then `turns` turns that each add a scripted
+tool call and a tool result (growing the history to ~4k tokens at the defaults), each turn a streamed
+greedy reply; conversations run at concurrency 1 and 8. Then both servers restart and every
+conversation sends its next turn (`after-restart`). Rows per DESIGN.md §6; timings are medians over
+interleaved rounds (each round starts both servers fresh, in alternating order) with min and max.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+SYSTEM = ("You are a coding agent in a sandboxed repository. Read files before editing them, call one tool "
+          "per step with JSON arguments, and run the tests after each change. Tools: read_file(path), "
+          "write_file(path, text), run_tests(pattern), search_code(query), list_dir(path). ")
+
+
+def _log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tool_result(turn: int, n_words: int) -> str:
+    """A tool result of about n_words words (code-like text: ~1.3 tokens a word)."""
+    lines, i = [], 0
+    while sum(len(x.split()) for x in lines) < n_words:
+        lines.append(f"    def step_{turn}_{i}(self, value): return self.table.get('k{i}', value) + {i * turn}")
+        i += 1
+    return f"<tool_response name=\"read_file\">\n# src/mod_{turn}.py\n" + "\n".join(lines) + "\n</tool_response>"
+
+
+def trace(conv: int, turns: int, result_words: int) -> List[List[dict]]:
+    """The prompt (messages) of each turn of conversation `conv`."""
+    msgs = [{"role": "system", "content": SYSTEM * 3},
+            {"role": "user", "content": f"Task {conv}: find why test_render_{conv} fails and fix it."}]
+    out = []
+    for t in range(turns):
+        out.append([dict(m) for m in msgs])
+        call = json.dumps({"name": "read_file", "arguments": {"path": f"src/mod_{t}.py"}})
+        msgs += [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                 {"role": "user", "content": tool_result(t, result_words)}]
+    out.append([dict(m) for m in msgs])  # the turn after the trace: sent after the restart
+    return out
+
+
+class Server:
+    """One server subprocess (justfit or mlx_lm) on a free loopback port."""
+
+    def __init__(self, system: str, folder: str, home: Path):
+        from justfit.blas import openblas_path
+
+        self.system, self.port = system, _free_port()
+        self.model = "default" if system == "justfit-serve" else folder  # mlx_lm.server loads other names from the Hub
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, JUSTFIT_HOME=str(home), HF_HUB_CACHE=str(home / "hf"))
+        (home / "hf").mkdir(parents=True, exist_ok=True)
+        lib = openblas_path()  # the same BLAS for both (justfit's CLI preloads it itself)
+        if lib and system == "mlx-lm-server":
+            env["LD_PRELOAD"] = f"{lib} {env.get('LD_PRELOAD', '')}".strip()
+        cmd = ([sys.executable, "-m", "justfit", "serve", "--model", folder, "--port", str(self.port)]
+               if system == "justfit-serve" else
+               [sys.executable, "-m", "mlx_lm", "server", "--model", folder, "--port", str(self.port)])
+        self.log = open(home / f"{system}.log", "ab")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait()
+        self.start_s = time.perf_counter() - self.started
+
+    def _wait(self, timeout: float = 300):
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.system} exited with {self.proc.returncode}")
+            try:
+                path = "/health" if self.system == "justfit-serve" else "/v1/models"
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.system} did not start in {timeout} s")
+
+    def peak_rss(self) -> Optional[int]:
+        """The process's peak resident set (VmHWM), in bytes."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+async def one_request(client, url: str, model: str, messages: List[dict], max_tokens: int, key: str) -> dict:
+    """Stream one reply; TTFT, inter-token gaps, completion and cached tokens."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "prompt_cache_key": key, "prompt_cache_retention": "24h"}
+    start = time.perf_counter()
+    first, last, gaps, pieces, usage = None, None, [], 0, None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls"):
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last, pieces = now, pieces + 1
+    end = time.perf_counter()
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return {"ttft_s": (first or end) - start, "gaps": gaps, "end": end, "start": start,
+            "completion_tokens": (usage or {}).get("completion_tokens", pieces),
+            "cached_tokens": details.get("cached_tokens")}
+
+
+async def run_phase(url: str, model: str, convs: List[List[List[dict]]], turns: range, max_tokens: int, concurrency: int):
+    """Each conversation runs `turns` in order; `concurrency` conversations at a time."""
+    import httpx
+
+    results = {t: [] for t in turns}
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=1800) as client:
+        async def conversation(c: int):
+            async with sem:
+                for t in turns:
+                    results[t].append(await one_request(client, url, model, convs[c][t], max_tokens, f"bench-{c}"))
+
+        await asyncio.gather(*(conversation(c) for c in range(len(convs))))
+    return results
+
+
+def _pct(xs: List[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summarize(reqs: List[dict]) -> dict:
+    ttft = [r["ttft_s"] for r in reqs]
+    gaps = [g for r in reqs for g in r["gaps"]]
+    wall = max(r["end"] for r in reqs) - min(r["start"] for r in reqs)
+    cached = [r["cached_tokens"] for r in reqs if r["cached_tokens"] is not None]
+    return {"requests": len(reqs), "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+            "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99),
+            "throughput_tok_s": sum(r["completion_tokens"] for r in reqs) / wall if wall > 0 else None,
+            "cached_tokens": sum(cached) if cached else None}
+
+
+def one_round(system: str, folder: str, convs, turns: int, max_tokens: int, concurrency: int) -> List[dict]:
+    """Start the server fresh, run the trace, restart it, run the next turn; rows for this round."""
+    home = Path(tempfile.mkdtemp(prefix=f"justfit-bench-serve-{system}-"))
+    srv = Server(system, folder, home)
+    try:
+        res = asyncio.run(run_phase(srv.url, srv.model, convs, range(turns), max_tokens, concurrency))
+        rss = srv.peak_rss()  # read before the process (and its /proc entry) goes
+    finally:
+        srv.stop()
+    restarted = Server(system, folder, home)
+    try:
+        after = asyncio.run(run_phase(restarted.url, restarted.model, convs, range(turns, turns + 1), max_tokens, concurrency))
+        rss2 = restarted.peak_rss()
+    finally:
+        restarted.stop()
+    base = {"system": system, "concurrency": concurrency, "start_s": srv.start_s}
+    first = res[0]
+    later = [r for t in range(1, turns) for r in res[t]]
+    return [{**base, "workload": "first-turn", **summarize(first), "peak_rss_bytes": rss},
+            {**base, "workload": "later-turns", **summarize(later), "peak_rss_bytes": rss},
+            {**base, "workload": "after-restart", **summarize(after[turns]), "peak_rss_bytes": rss2,
+             "start_s": restarted.start_s}]
+
+
+def serve(
+    model: str = typer.Option("default", "--model", "-m", help="Model spec (as for `justfit serve`)."),
+    turns: int = typer.Option(10, "--turns", min=2, help="Turns per conversation (history grows each turn)."),
+    result_words: int = typer.Option(230, "--result-words", min=10, help="Words per tool result (~300 tokens)."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Tokens per reply."),
+    concurrency: str = typer.Option("1,8", "--concurrency", help="Comma-separated concurrency levels."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds per system and level."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+):
+    """justfit serve vs mlx_lm.server on a multi-turn agent trace: TTFT, ITL, throughput, RSS, restart."""
+    from importlib.metadata import version
+
+    from justfit.models import resolve
+
+    folder = str(resolve(model))
+    levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    systems = ["justfit-serve", "mlx-lm-server"]
+    raw = []
+    for level in levels:
+        convs = [trace(c, turns, result_words) for c in range(level)]
+        for r in range(rounds):
+            for system in (systems if r % 2 == 0 else systems[::-1]):
+                _log(f"round {r + 1}/{rounds}: {system} at concurrency {level}")
+                rows = one_round(system, folder, convs, turns, max_tokens, level)
+                for row in rows:  # each row in full on stderr, so an interrupted run keeps what it measured
+                    _log("  " + json.dumps(row))
+                raw += [{**row, "round": r} for row in rows]
+    rows = aggregate(raw)
+    out = {"bench": "serve", "model": folder, "turns": turns, "max_tokens": max_tokens, "rounds": rounds,
+           "load_avg": os.getloadavg(), "versions": {p: version(p) for p in ("justfit", "mlx", "mlx-lm")},
+           "rows": rows, "ratios": ratios(rows)}
+    if json_out:
+        print(json.dumps(out, indent=1))
+    else:
+        for row in rows:
+            typer.echo(f"{row['system']:<14} {row['workload']:<13} c={row['concurrency']:<2} "
+                       f"ttft p50 {row['ttft_p50_s']:.3f}s [{row['ttft_p50_s_min']:.3f}-{row['ttft_p50_s_max']:.3f}] "
+                       f"tok/s {row['throughput_tok_s']:.1f}  rss {(row['peak_rss_bytes'] or 0) / 1e6:.0f} MB")
+        typer.echo(json.dumps(out["ratios"], indent=1))
+
+
+METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "throughput_tok_s", "cached_tokens",
+           "peak_rss_bytes", "start_s")
+
+
+def aggregate(raw: List[dict]) -> List[dict]:
+    """Median over rounds per (system, workload, concurrency), with _min and _max."""
+    keys = sorted({(r["system"], r["workload"], r["concurrency"]) for r in raw})
+    out = []
+    for system, workload, level in keys:
+        group = [r for r in raw if (r["system"], r["workload"], r["concurrency"]) == (system, workload, level)]
+        row = {"system": system, "workload": workload, "concurrency": level, "rounds": len(group)}
+        for m in METRICS:
+            vals = [r[m] for r in group if r.get(m) is not None]
+            row[m] = statistics.median(vals) if vals else None
+            row[m + "_min"], row[m + "_max"] = (min(vals), max(vals)) if vals else (None, None)
+        out.append(row)
+    return out
+
+
+def ratios(rows: List[dict]) -> dict:
+    """justfit / mlx-lm for the issue's targets (lower is better except throughput)."""
+    def get(system, workload, level, m):
+        return next((r[m] for r in rows if (r["system"], r["workload"], r["concurrency"]) == (system, workload, level)), None)
+
+    out = {}
+    for level in sorted({r["concurrency"] for r in rows}):
+        for workload, m in (("later-turns", "ttft_p50_s"), ("later-turns", "throughput_tok_s"),
+                            ("later-turns", "peak_rss_bytes"), ("after-restart", "ttft_p50_s")):
+            a, b = get("justfit-serve", workload, level, m), get("mlx-lm-server", workload, level, m)
+            if a is not None and b:
+                out[f"{workload}.{m}.c{level}"] = a / b
+    return out

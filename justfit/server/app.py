@@ -1,0 +1,156 @@
+"""`justfit serve`: the FastAPI app around one Runtime, and uvicorn running it until SIGINT/SIGTERM."""
+
+import ipaddress
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..errors import UserError
+from .errors import APIError, send_error
+from .metrics import Metrics
+from .prompts import check_logit_bias, context_length, stops
+from .worker import Job, Worker
+
+log = logging.getLogger("justfit.server")
+MAX_BODY = 8 << 20  # 8 MiB: a 128k-token conversation as JSON fits with room to spare
+
+
+class Server:
+    """What the routes share: the runtime, the worker, the metrics and the served model's names."""
+
+    def __init__(self, rt, persist: bool = False, max_queue: int = 64, idle_release: Optional[float] = None):
+        from ..generation import vocab_size
+
+        self.rt, self.metrics, self.started = rt, Metrics(), time.time()
+        self.worker = Worker(rt, self.metrics, max_queue, idle_release, persist)
+        path = getattr(rt.model, "justfit_path", None) or str(rt.model_spec)
+        self.model_id = Path(str(path)).name or str(rt.model_spec)
+        self.names = {self.model_id, str(rt.model_spec), "default", str(path)}
+        self.context = context_length(rt)
+        self.n_vocab = vocab_size(rt.model)
+
+    def check_model(self, name: str, status: int = 400):
+        if name not in self.names:
+            raise APIError(status, f"model {name!r} is not served here; this server serves {self.model_id!r} "
+                           "(GET /v1/models)", "model", "model_not_found")
+
+    def submit(self, req, ids, max_tokens: int, grammar: Optional[str]) -> Job:
+        """Queue one reply for a validated request."""
+        from mlx_lm.sample_utils import make_frequency_penalty, make_presence_penalty
+
+        procs = [make(v) for make, v in ((make_frequency_penalty, req.frequency_penalty),
+                                         (make_presence_penalty, req.presence_penalty)) if v]
+        options = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
+                   "stop": stops(req.stop) or None, "logit_bias": check_logit_bias(req.logit_bias, self.n_vocab) or None,
+                   "logits_processors": procs or None}
+        persist = req.prompt_cache_retention == "24h"
+        if req.prompt_cache_key is not None:
+            from ..statetrans.manifest import check_name
+
+            try:
+                check_name(req.prompt_cache_key)
+            except UserError as e:
+                raise APIError(400, f"prompt_cache_key: {e}", "prompt_cache_key", "invalid_value") from None
+        return self.worker.submit(Job(list(ids), max_tokens, options, req.prompt_cache_key, persist, grammar))
+
+    def account(self, request, job: Job, stats: dict):
+        """Note a finished reply in the request's log line (the worker counts it in the metrics)."""
+        gen, cached = stats.get("generated_tokens", 0), stats.get("reused_tokens", 0)
+        note = request.scope.setdefault("state", {})
+        note["log"] = f"prompt={len(job.prompt)} cached={cached} completion={gen} " \
+                      f"queued={time.perf_counter() - job.queued_at:.2f}s"
+
+
+def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, persist: bool = False,
+               max_body: int = MAX_BODY, max_queue: int = 64, idle_release: Optional[float] = None):
+    """The ASGI app serving `rt` (the worker thread starts with the app and stops on shutdown)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+
+    from . import errors
+    from .routes import router
+
+    server = Server(rt, persist, max_queue, idle_release)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        server.worker.close()  # after uvicorn drained the open requests: sessions are checkpointed
+        log.info("stopped; sessions checkpointed")
+
+    app = FastAPI(title="JustFit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.include_router(router)
+    errors.install(app, api_key, max_body)
+    if cors:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=[o.strip() for o in cors.split(",")],
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["authorization", "content-type"])
+    app.add_middleware(LogRequests, metrics=server.metrics)
+    return app
+
+
+class LogRequests:
+    """ASGI middleware: one line per request when its response ends (streams included)."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [0]
+
+        async def logged(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, logged)
+        except Exception as e:  # noqa: BLE001  (a bug of ours: one envelope and one log line, no traceback)
+            log.error("internal error on %s: %s: %s", scope["path"], type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            if not status[0]:
+                status[0] = 500
+                await send_error(send, 500, f"internal error: {type(e).__name__}: {e}", None)
+        finally:
+            route = scope["path"] if scope["path"] in ROUTES else "other"
+            self.metrics.request(route, status[0] or 499)
+            extra = scope.get("state", {}).get("log", "")
+            log.info("%s %s %s %.3fs %s", scope["method"], scope["path"], status[0] or 499,
+                     time.perf_counter() - start, extra)
+
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def check_bind(host: str, api_key: Optional[str]):
+    """Refuse to listen beyond loopback without an API key."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not api_key:
+        raise UserError(f"refusing to serve on {host} without --api-key: anyone who can reach it could use "
+                        "the model; pass --api-key KEY (or JUSTFIT_API_KEY), or bind 127.0.0.1")
+
+
+def serve(rt, host: str = "127.0.0.1", port: int = 8000, **options):
+    """Run until SIGINT/SIGTERM: uvicorn stops accepting, finishes open requests (5 s at most), then
+    the lifespan checkpoints every session."""
+    import uvicorn
+
+    check_bind(host, options.get("api_key"))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    app = create_app(rt, **options)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5, lifespan="on")
+    server = uvicorn.Server(config)
+    log.info("justfit serve: %s on http://%s:%d/v1 (Ctrl-C stops)", app.state.server.model_id, host, port)
+    try:
+        server.run()
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

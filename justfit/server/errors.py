@@ -1,0 +1,127 @@
+"""OpenAI's error envelope, bearer-key auth and the request body limit, for every route.
+
+Every failure a client can cause answers `{"error": {"message", "type", "param", "code"}}` with a 4xx
+status; the server's own failures answer the same envelope with 500 and never a traceback.
+"""
+
+import hmac
+import json
+import logging
+from typing import Optional
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+
+log = logging.getLogger("justfit.server")
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+         415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+         503: "overloaded_error"}
+
+
+class APIError(Exception):
+    """A failure to report to the client in OpenAI's envelope."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 retry_after: Optional[int] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+
+def envelope(status: int, message: str, param=None, code=None) -> dict:
+    """The OpenAI error body."""
+    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"retry-after": str(e.retry_after)} if e.retry_after else None
+    return JSONResponse(envelope(e.status, e.message, e.param, e.code), e.status, headers=headers)
+
+
+def _param(loc) -> Optional[str]:
+    """'messages[0].role' from pydantic's ('body', 'messages', 0, 'role')."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "literal[", "list[", "str", "dict[", "union[")):
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+async def on_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    """Pydantic's complaint as one readable line naming the field."""
+    errs = exc.errors()
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return JSONResponse(envelope(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+                                     code="invalid_json"), 400)
+    param = _param(first.get("loc", ()))
+    if first.get("type") == "missing" and param:
+        msg = f"missing required field '{param}'"
+    else:
+        msg = f"{param + ': ' if param else ''}{first['msg']}"
+    more = f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})" if len(errs) > 1 else ""
+    return JSONResponse(envelope(400, msg + more, param, "invalid_value"), 400)
+
+
+async def on_api_error(_request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def on_http(_request: Request, exc: HTTPException) -> JSONResponse:
+    msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics",
+           405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(envelope(exc.status_code, msg), exc.status_code)
+
+
+class Guard:
+    """ASGI middleware: bearer key (constant-time), body size limit, JSON content, before any route runs."""
+
+    OPEN = ("/health",)
+
+    def __init__(self, app, api_key: Optional[str], max_body: int):
+        self.app, self.max_body = app, max_body
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.key is not None and scope["path"] not in self.OPEN:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.key):
+                return await send_error(send, 401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                                   "invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await send_error(send, 413, f"request body over {self.max_body} bytes", "request_too_large")
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.max_body:
+                raise APIError(413, f"request body over {self.max_body} bytes", code="request_too_large")
+            return msg
+
+        await self.app(scope, limited, send)
+
+
+async def send_error(send, status: int, message: str, code: Optional[str]):
+    body = json.dumps(envelope(status, message, None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def install(app, api_key: Optional[str], max_body: int):
+    """Register the handlers and the guard on a FastAPI app."""
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(HTTPException, on_http)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body)

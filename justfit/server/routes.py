@@ -1,0 +1,190 @@
+"""The routes: validate (pydantic + prompts.py), submit to the worker, answer or stream (SSE)."""
+
+import json
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from . import prompts
+from .deltas import Reply
+from .errors import APIError, envelope
+from .schema import (ChatCompletion, ChatCompletionChunk, ChatRequest, Choice, ChunkChoice, Completion,
+                     CompletionRequest, Delta, Model, ModelList, OutMessage, PromptDetails, TextChoice, ToolCall,
+                     ToolCallDelta, Usage)
+
+router = APIRouter()
+FINISH = {"stop": "stop", "length": "length", "grammar": "stop"}
+
+
+def _srv(request: Request):
+    return request.app.state.server
+
+
+@router.get("/health")
+async def health(request: Request):
+    srv = _srv(request)
+    return {"status": "ok", "model": srv.model_id, "queue_length": srv.worker.queue_length,
+            "uptime_s": round(time.time() - srv.started, 1)}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    srv = _srv(request)
+    return PlainTextResponse(srv.metrics.render(srv.rt, srv.worker.queue_length),
+                             media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request):
+    srv = _srv(request)
+    return ModelList(data=[Model(id=srv.model_id, created=int(srv.started))])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=Model)
+async def get_model(model_id: str, request: Request):
+    srv = _srv(request)
+    srv.check_model(model_id, status=404)
+    return Model(id=srv.model_id, created=int(srv.started))
+
+
+async def _run(job, reply: Reply, request: Request):
+    """Parts of one reply as they come: ('part', (kind, text))..., then ('done', (call, stats))."""
+    srv = _srv(request)
+    async for kind, value in job.events():
+        if kind == "chunk":
+            for part in reply.add(value.text):
+                yield "part", part
+        elif kind == "error":
+            raise value if isinstance(value, APIError) else APIError(500, f"generation failed: {value}")
+        else:
+            parts, call = reply.finish()
+            for part in parts:
+                yield "part", part
+            srv.account(request, job, value)
+            yield "done", (call, value)
+
+
+def _usage(jobs, stats) -> Usage:
+    prompt = sum(len(j.prompt) for j in jobs)
+    completion = sum(s.get("generated_tokens", 0) for s in stats)
+    cached = sum(s.get("reused_tokens", 0) for s in stats)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptDetails(cached_tokens=cached))
+
+
+def _finish(call, stats) -> str:
+    return "tool_calls" if call is not None else FINISH.get(stats.get("finish_reason"), "stop")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatRequest, request: Request):
+    srv = _srv(request)
+    srv.check_model(req.model)
+    ids, tools, syntax, grammar = prompts.chat_prompt(srv.rt, req)
+    max_tokens = prompts.max_new(req, srv.context, len(ids))
+    jobs = [srv.submit(req, ids, max_tokens, grammar) for _ in range(req.n)]
+    rid = "chatcmpl-" + uuid.uuid4().hex
+    replies = [Reply(syntax, bool(tools)) for _ in jobs]
+    if req.stream:
+        return await _sse(_chat_chunks(req, rid, jobs, replies, request), jobs)
+    choices, stats = [], []
+    for i, (job, reply) in enumerate(zip(jobs, replies)):
+        async for kind, value in _run(job, reply, request):
+            if kind == "done":
+                call, st = value
+                stats.append(st)
+                calls = [ToolCall(id=reply.id, function=call)] if call else None
+                msg = OutMessage(content=None if call else reply.text, tool_calls=calls)
+                choices.append(Choice(index=i, message=msg, finish_reason=_finish(call, st)))
+    return ChatCompletion(id=rid, model=srv.model_id, choices=choices, usage=_usage(jobs, stats))
+
+
+async def _chat_chunks(req: ChatRequest, rid: str, jobs, replies, request: Request):
+    srv = _srv(request)
+
+    def chunk(i, delta, finish=None):
+        return ChatCompletionChunk(id=rid, model=srv.model_id, choices=[ChunkChoice(index=i, delta=delta, finish_reason=finish)])
+
+    stats = []
+    for i, (job, reply) in enumerate(zip(jobs, replies)):
+        yield chunk(i, Delta(role="assistant", content=""))
+        async for kind, value in _run(job, reply, request):
+            if kind == "done":
+                call, st = value
+                stats.append(st)
+                yield chunk(i, Delta(), _finish(call, st))
+                continue
+            what, text = value
+            if what == "content":
+                yield chunk(i, Delta(content=text))
+            elif what == "call":
+                yield chunk(i, Delta(tool_calls=[ToolCallDelta(index=0, id=reply.id, type="function",
+                                                               function={"name": text, "arguments": ""})]))
+            elif text:
+                yield chunk(i, Delta(tool_calls=[ToolCallDelta(index=0, function={"arguments": text})]))
+    if req.stream_options and req.stream_options.include_usage:
+        yield ChatCompletionChunk(id=rid, model=srv.model_id, choices=[], usage=_usage(jobs, stats))
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request):
+    srv = _srv(request)
+    srv.check_model(req.model)
+    if req.suffix:
+        raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix", "unsupported_parameter")
+    ids = prompts.completion_prompt(srv.rt, req)
+    max_tokens = prompts.max_new(req, srv.context, len(ids), default=16)  # OpenAI's default for completions
+    jobs = [srv.submit(req, ids, max_tokens, None) for _ in range(req.n)]
+    rid = "cmpl-" + uuid.uuid4().hex
+    head = srv.rt.tokenizer.decode(ids) if req.echo else ""
+    if req.stream:
+        return await _sse(_text_chunks(req, rid, jobs, head, request), jobs)
+    choices, stats = [], []
+    for i, job in enumerate(jobs):
+        reply = Reply()
+        async for kind, value in _run(job, reply, request):
+            if kind == "done":
+                stats.append(value[1])
+                choices.append(TextChoice(index=i, text=head + reply.text, finish_reason=_finish(None, value[1])))
+    return Completion(id=rid, model=srv.model_id, choices=choices, usage=_usage(jobs, stats))
+
+
+async def _text_chunks(req: CompletionRequest, rid: str, jobs, head: str, request: Request):
+    srv = _srv(request)
+    stats = []
+    for i, job in enumerate(jobs):
+        if head:
+            yield Completion(id=rid, model=srv.model_id, choices=[TextChoice(index=i, text=head, finish_reason=None)])
+        async for kind, value in _run(job, Reply(), request):
+            if kind == "done":
+                stats.append(value[1])
+                yield Completion(id=rid, model=srv.model_id,
+                                 choices=[TextChoice(index=i, text="", finish_reason=_finish(None, value[1]))])
+            else:
+                yield Completion(id=rid, model=srv.model_id, choices=[TextChoice(index=i, text=value[1], finish_reason=None)])
+    if req.stream_options and req.stream_options.include_usage:
+        yield Completion(id=rid, model=srv.model_id, choices=[], usage=_usage(jobs, stats))
+
+
+async def _sse(chunks, jobs):
+    """A text/event-stream response; the first chunk is awaited here so early failures keep their
+    HTTP status. A client that disconnects closes the generator, which cancels every job."""
+    first = await chunks.__anext__()
+
+    async def body():
+        try:
+            yield f"data: {first.model_dump_json()}\n\n"
+            async for c in chunks:
+                yield f"data: {c.model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(envelope(e.status, e.message, e.param, e.code))}\n\n"
+        finally:
+            for j in jobs:
+                j.cancelled.set()
+            await chunks.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
