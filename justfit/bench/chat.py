@@ -50,9 +50,10 @@ def _justfit(rt, prompt, max_tokens):
     mx.reset_peak_memory()
     chunks = (c for c in rt.stream(prompt, max_tokens=max_tokens) if c.token >= 0)
     ttft, tps, n = _timed(chunks)
-    stats = rt.last_stats if isinstance(getattr(rt, "last_stats", None), dict) else {}
+    stats = getattr(rt, "last_stats", None)  # TurnStats (engine) or a dict (before it)
+    reused = stats.get("reused_tokens", 0) if isinstance(stats, dict) else getattr(stats, "reused_tokens", 0)
     return {"ttft_s": ttft, "decode_tok_s": tps, "tokens": n, "peak_memory_bytes": mx.get_peak_memory(),
-            "reused_tokens": int(stats.get("reused_tokens", 0) or 0)}
+            "reused_tokens": int(reused or 0)}
 
 
 def _mlx_lm(model, tokenizer, ids, max_tokens):
