@@ -23,7 +23,7 @@ def test_bench_json_rows(monkeypatch, capsys):
     monkeypatch.setattr(justfit, "load", lambda spec: (model, None), raising=False)
     bench_kv.kv(contexts="300", rounds=3, steps=2, full_prefill_max=128, prefill_layers=1, budgets="256M",
                 prompts=0, tokens=4, stress_page=0, document=False, systems=",".join(bench_kv.SYSTEM_NAMES),
-                capacity_probe="2048,4096", model="tiny", quick=False, json_out=True)
+                capacity_probe="2048,4096", chat=True, model="tiny", quick=False, json_out=True)
     out = json.loads(capsys.readouterr().out)
     assert out["bench"] == "kv" and set(out["versions"]) == {"justfit", "mlx", "mlx_lm"}
     assert out["default_system"] == "justfit-default" and out["rounds"] == 3
@@ -49,11 +49,11 @@ def test_bench_rejects_bad_options():
 
     with pytest.raises(UserError):
         bench_kv.kv(contexts="0", rounds=1, steps=1, full_prefill_max=1, prefill_layers=1, budgets="", prompts=0,
-                    tokens=1, stress_page=0, document=False, systems="justfit-default", capacity_probe="1,2", model="x", quick=False,
+                    tokens=1, stress_page=0, document=False, systems="justfit-default", capacity_probe="1,2", chat=True, model="x", quick=False,
                     json_out=True)
     with pytest.raises(UserError):
         bench_kv.kv(contexts="128", rounds=1, steps=1, full_prefill_max=1, prefill_layers=1, budgets="", prompts=0,
-                    tokens=1, stress_page=0, document=False, systems="nope", capacity_probe="1,2", model="x", quick=False,
+                    tokens=1, stress_page=0, document=False, systems="nope", capacity_probe="1,2", chat=True, model="x", quick=False,
                     json_out=True)
 
 

@@ -245,7 +245,7 @@ def _load():
 
 def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: int, prefill_layers: int,
         prompts: int, tokens: int, stress_page: Optional[int], systems, budgets, document: bool,
-        probe=(4096, 8192)) -> dict:
+        probe=(4096, 8192), chat: bool = True) -> dict:
     import mlx.core as mx
     import mlx_lm
 
@@ -272,7 +272,7 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
         rows.extend(capacity_rows(model, systems, budgets, probe))
     quality = []
     if prompts > 0 or document:
-        quality = kv_quality.run(model, tokenizer, systems, _factory, prompts, tokens, stress_page, document)
+        quality = kv_quality.run(model, tokenizer, systems, _factory, prompts, tokens, stress_page, document, chat)
     default = next((n for n in systems if n.startswith("justfit") and kv_config(n) == KVConfig()), None)
     return {
         "bench": "kv", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
@@ -319,6 +319,7 @@ def kv(
     tokens: int = typer.Option(48, "--tokens", help="Greedy trajectory length per prompt."),
     stress_page: int = typer.Option(32, "--stress-page", help="Extra quality rows at this page size (0: none)."),
     document: bool = typer.Option(True, "--document/--no-document", help="Quality rows on the long held-out document."),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Quality rows on the short chats with the default layout."),
     systems: str = typer.Option(",".join(DEFAULT_SYSTEMS), "--systems", help=f"Comma-separated, among {', '.join(SYSTEM_NAMES)}."),
     capacity_probe: str = typer.Option("4096,8192", "--capacity-probe", help="Two contexts where capacity measures the workspace."),
     model: str = typer.Option("default", "--model", help="Model spec, as for justfit chat."),
@@ -342,7 +343,7 @@ def kv(
     if unknown or not names or rounds < 1 or steps < 1:
         raise UserError(f"--systems must be among {', '.join(SYSTEM_NAMES)}; --rounds and --steps at least 1")
     result = run(model, ctxs, steps, rounds, full_prefill_max, prefill_layers, prompts, tokens, stress_page or None,
-                 names, budget_list, document, tuple(probe))
+                 names, budget_list, document, tuple(probe), chat)
     if json_out:
         print(json.dumps(result))
         return

@@ -192,7 +192,7 @@ def document_rows(model, ids, systems):
     return rows
 
 
-def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, document):
+def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, document, chat=True):
     """All quality rows of `justfit bench kv` for `systems` (names), with `factory(name, model, page, start)`."""
     from .kv import kv_config
 
@@ -206,7 +206,8 @@ def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, docume
     rows = []
     if prompts > 0:
         refs = reference(model, tokenizer, prompts, tokens)
-        rows += [dict(r, workload="chat") for r in quality_rows(model, refs, plain)]
+        if chat:
+            rows += [dict(r, workload="chat") for r in quality_rows(model, refs, plain)]
         if stress_page:
             stress = [(n, layout(n, stress_page, 0), factory(n, model, stress_page, 0)) for n in systems
                       if n.startswith("justfit") and n != "justfit-fp16"]
