@@ -1,8 +1,6 @@
 """Every model family the installed mlx-lm ships: full-precision pages (KVConfig(bits=16)) give the same
 greedy tokens as mlx-lm's KVCache. A family is skipped only with a stated reason (see kvexec_families)."""
 
-import signal
-
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
@@ -35,10 +33,6 @@ def _greedy(model, caches, n=6, chunk=17):
     return out
 
 
-def _timeout(*_):
-    raise TimeoutError("building or running the tiny config took over 20 s")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", families())
 def test_family_fp_pages_match_mlx_lm(family, request):
@@ -46,25 +40,19 @@ def test_family_fp_pages_match_mlx_lm(family, request):
         pytest.skip(SPECIAL[family])
     if family in DIFFERS:  # strict: when mlx-lm changes, the unexpected pass says so
         request.applymarker(pytest.mark.xfail(reason=DIFFERS[family], strict=True))
-    old = signal.signal(signal.SIGALRM, _timeout)
-    signal.alarm(20)
+    mx.random.seed(0)
     try:
-        mx.random.seed(0)
-        try:
-            model, reason = build(family)
-            if model is None:
-                pytest.skip(reason)
-            ref = _greedy(model, make_prompt_cache(model))
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, AssertionError, ZeroDivisionError,
-                TimeoutError) as e:  # the generic tiny config does not fit this family's ModelArgs
-            pytest.skip(f"no tiny random config: {type(e).__name__}: {str(e)[:80]}")
-        base = make_prompt_cache(model)
-        if not any(type(c) in (KVCache, RotatingKVCache) for c in base):
-            pytest.skip(f"no KVCache/RotatingKVCache layer ({type(base[0]).__name__}): nothing for KVExec to page")
-        caches = make_cache(model, KVConfig(bits=16, page_size=32, quantized_kv_start=0))
-        assert any(isinstance(c, PagedKVCache) for c in caches)
-        assert _greedy(model, caches) == ref  # routed (paged attention) or dense (see routing.py), same tokens
-        assert _greedy(model, make_prompt_cache(model)) == ref  # mlx-lm's own caches still work after routing
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+        model, reason = build(family)
+        if model is None:
+            pytest.skip(reason)
+        ref = _greedy(model, make_prompt_cache(model))
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, AssertionError, ZeroDivisionError) as e:
+        # the generic tiny config does not fit this family's ModelArgs
+        pytest.skip(f"no tiny random config: {type(e).__name__}: {str(e)[:80]}")
+    base = make_prompt_cache(model)
+    if not any(type(c) in (KVCache, RotatingKVCache) for c in base):
+        pytest.skip(f"no KVCache/RotatingKVCache layer ({type(base[0]).__name__}): nothing for KVExec to page")
+    caches = make_cache(model, KVConfig(bits=16, page_size=32, quantized_kv_start=0))
+    assert any(isinstance(c, PagedKVCache) for c in caches)
+    assert _greedy(model, caches) == ref  # routed (paged attention) or dense (see routing.py), same tokens
+    assert _greedy(model, make_prompt_cache(model)) == ref  # mlx-lm's own caches still work after routing
