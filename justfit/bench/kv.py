@@ -199,14 +199,18 @@ def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
                 tokens = mx.random.randint(100, 40000, (ctx,), key=mx.random.key(ctx))
                 _, _, over, kv = _prefill_once(model, make, tokens)
                 work.append(max(0, over - kv))
-            caches = make()
-            _fill_synthetic(caches, model, probe[1])
-            per_position = _nbytes(caches) / probe[1]
-            del caches
+            kv_at = []
+            for ctx in probe:  # marginal bytes per position (a full-precision first page is a fixed cost)
+                caches = make()
+                _fill_synthetic(caches, model, ctx)
+                kv_at.append(_nbytes(caches))
+                del caches
+            per_position = (kv_at[1] - kv_at[0]) / (probe[1] - probe[0])
+            fixed = kv_at[0] - per_position * probe[0]
         slope = max(0.0, (work[1] - work[0]) / (probe[1] - probe[0]))  # growth per position (0: bounded)
 
-        def need(n, w=max(work), s=slope, pp=per_position):
-            return n_layers * pp * n + w + s * max(0, n - probe[1])
+        def need(n, w=max(work), s=slope, pp=per_position, f=fixed):
+            return n_layers * (pp * n + f) + w + s * max(0, n - probe[1])
 
         for budget in budgets:
             lo, hi = 0, 1 << 24
@@ -214,7 +218,8 @@ def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
             rows.append({"kind": "capacity", "system": name, "budget_bytes": int(budget), "capacity_positions": lo,
-                         "kv_bytes_per_position": n_layers * per_position, "workspace_bytes_at_probe": work,
+                         "kv_bytes_per_position": n_layers * per_position, "kv_fixed_bytes": n_layers * fixed,
+                         "workspace_bytes_at_probe": work,
                          "workspace_probe_contexts": list(probe),
                          "positions_per_gib": lo * (1 << 30) / budget})
             _log(f"kv: capacity {name} @ {budget / 2**20:.0f} MiB: {lo} positions")
@@ -286,7 +291,7 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
             "prefill": f"kind=prefill: real chunked prefill ({CHUNK}-token chunks) of random tokens, fresh caches each round; "
                        f"prefill_layers = full model up to {full_prefill_max} tokens, else the first {prefill_layers} layers",
             "capacity": "kind=capacity: binary search for the longest context whose full-model KV bytes (measured per "
-                        "position on a real cache at the larger probe) + prefill workspace (peak over start minus KV, one "
+                        "position between the two probes on real caches, plus their fixed part) + prefill workspace (peak over start minus KV, one "
                         "layer, the larger of the two probes, plus its growth per position when it grows) fit budget_bytes",
             "quality": "see kv_quality.py: teacher-forced replay of fp16 greedy trajectories through each cache",
             "mlx-lm-fp16": "mlx-lm KVCache in the model's compute dtype (float32 on CPU)",
