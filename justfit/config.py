@@ -17,6 +17,8 @@ class KVConfig:
     group_size: int = 64
     page_size: int = 256
     quantized_kv_start: int = 256  # first page full precision: sinks + system prompt (measured: top1 0.93 -> 0.98)
+    key_format: Optional[str] = None  # keys in another format than values (None: `format`), e.g. rotated keys
+    key_bits: Optional[int] = None  # key bits when they differ (8-bit keys + 4-bit values: a measured comparison)
 
     def __post_init__(self):
         from .errors import UserError
@@ -29,13 +31,24 @@ class KVConfig:
             raise UserError("the rotated KV format is 4-bit only")
         if self.group_size not in (32, 64, 128):
             raise UserError(f"KV group size must be 32, 64 or 128, not {self.group_size}")
+        if self.key_format is not None and self.key_format not in FORMATS:
+            raise UserError(f"KV key format must be one of {FORMATS}, not {self.key_format!r}")
+        if self.key_bits is not None and (self.key_bits not in (4, 8) or self.bits == 16):
+            raise UserError("KV key bits must be 4 or 8, with quantized values (bits 4 or 8)")
+        if self.key_format == "rotated" and self.key_bits not in (None, 4):
+            raise UserError("rotated keys are 4-bit only")
         if self.page_size <= 0 or self.page_size % 32:
             raise UserError(f"page size must be a positive multiple of 32, not {self.page_size}")
 
     @property
     def name(self) -> str:
         """Short label such as 'q4-affine' or 'fp16', used in fingerprints and bench rows."""
-        return "fp16" if self.bits == 16 else f"q{self.bits}-{self.format}"
+        if self.bits == 16:
+            return "fp16"
+        name = f"q{self.bits}-{self.format}"
+        if (self.key_format or self.format) != self.format or (self.key_bits or self.bits) != self.bits:
+            name += f"-k{self.key_bits or self.bits}-{self.key_format or self.format}"
+        return name
 
 
 def home(path: Optional[os.PathLike] = None) -> Path:

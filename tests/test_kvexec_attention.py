@@ -9,7 +9,8 @@ from justfit.config import KVConfig
 from justfit.kvexec import PagePool, Sequence, attention
 from justfit.kvexec.cache import PagedKVCache, PagedMask
 
-FORMATS = [dict(bits=16), dict(bits=8), dict(bits=4), dict(bits=4, group_size=32), dict(bits=4, format="rotated")]
+FORMATS = [dict(bits=16), dict(bits=8), dict(bits=4), dict(bits=4, group_size=32), dict(bits=4, format="rotated"),
+           dict(bits=4, key_format="rotated"), dict(bits=4, key_bits=8)]  # quality levers: mixed key/value codecs
 
 
 def _cache(kv, poison=True):

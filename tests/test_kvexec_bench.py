@@ -21,17 +21,50 @@ def _tiny():
 def test_bench_json_rows(monkeypatch, capsys):
     model = _tiny()
     monkeypatch.setattr(justfit, "load", lambda spec: (model, None), raising=False)
-    bench_kv.kv(contexts="300", steps=1, prefill_layers=1, prompts=0, tokens=4, stress_page=0,
-                systems=",".join(bench_kv.SYSTEM_NAMES), model="tiny", json_out=True)
+    bench_kv.kv(contexts="300", rounds=3, steps=2, full_prefill_max=128, prefill_layers=1, budgets="256M",
+                prompts=0, tokens=4, stress_page=0, document=False, systems=",".join(bench_kv.SYSTEM_NAMES),
+                capacity_probe="2048,4096", chat=True, model="tiny", quick=False, json_out=True)
     out = json.loads(capsys.readouterr().out)
     assert out["bench"] == "kv" and set(out["versions"]) == {"justfit", "mlx", "mlx_lm"}
-    rows = {r["system"]: r for r in out["rows"]}
-    assert set(rows) == set(bench_kv.SYSTEM_NAMES)
-    for r in rows.values():
-        assert r["context"] == 300 and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["peak_memory_bytes"] > 0
-    assert rows["justfit-fp16"]["kv_bytes"] == 3 * 2 * 2 * (2 * 256) * 64 * 4  # two pages per layer, float32
-    assert rows["justfit-q4-affine"]["kv_bytes"] < rows["justfit-fp16"]["kv_bytes"]
+    assert out["default_system"] == "justfit-default" and out["rounds"] == 3
+    decode = {r["system"]: r for r in out["rows"] if r["kind"] == "decode"}
+    prefill = {r["system"]: r for r in out["rows"] if r["kind"] == "prefill"}
+    capacity = {r["system"]: r for r in out["rows"] if r["kind"] == "capacity"}
+    assert set(decode) == set(prefill) == set(capacity) == set(bench_kv.SYSTEM_NAMES)
+    for r in decode.values():
+        assert r["context"] == 300 and r["rounds"] == 3
+        assert 0 < r["decode_tok_s_min"] <= r["decode_tok_s"] <= r["decode_tok_s_max"]
+    for r in prefill.values():
+        assert r["prefill_layers"] == 1 and r["peak_memory_bytes"] > 0  # 300 > full_prefill_max: cut model
+        assert 0 < r["prefill_tok_s_min"] <= r["prefill_tok_s"] <= r["prefill_tok_s_max"]
+    assert decode["justfit-fp16"]["kv_bytes"] == 3 * 2 * 2 * (2 * 256) * 64 * 4  # two pages per layer, float32
+    for r in capacity.values():
+        assert r["budget_bytes"] == 256 << 20 and r["capacity_positions"] > 0
+    assert capacity["justfit-default"]["capacity_positions"] > 2 * capacity["mlx-lm-fp16"]["capacity_positions"]
     assert model.layers and len(model.model.layers) == 3  # the prefill cut was undone
+
+
+def test_bench_rejects_bad_options():
+    from justfit.errors import UserError
+
+    with pytest.raises(UserError):
+        bench_kv.kv(contexts="0", rounds=1, steps=1, full_prefill_max=1, prefill_layers=1, budgets="", prompts=0,
+                    tokens=1, stress_page=0, document=False, systems="justfit-default", capacity_probe="1,2", chat=True, model="x", quick=False,
+                    json_out=True)
+    with pytest.raises(UserError):
+        bench_kv.kv(contexts="128", rounds=1, steps=1, full_prefill_max=1, prefill_layers=1, budgets="", prompts=0,
+                    tokens=1, stress_page=0, document=False, systems="nope", capacity_probe="1,2", chat=True, model="x", quick=False,
+                    json_out=True)
+
+
+def test_document_rows_see_sealed_pages():
+    model = _tiny()
+    ids = [(11 * i + 5) % 50000 for i in range(kv_quality.DOC_SCORED_FROM + 200)]
+    systems = [("justfit-fp16", (256, 256), bench_kv._factory("justfit-fp16", model)),
+               ("justfit-default", (256, 256), bench_kv._factory("justfit-default", model))]
+    fp, q = kv_quality.document_rows(model, ids, systems)
+    assert fp["kl"] < 1e-6 and fp["top1"] == 1.0 and fp["quantized_token_fraction"] == 0.0
+    assert q["quantized_token_fraction"] > 0.3 and q["kl"] > fp["kl"]  # 4-bit pages were sealed and read
 
 
 def test_quality_metrics_detect_divergence():

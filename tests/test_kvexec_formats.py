@@ -95,3 +95,19 @@ def test_scores_and_mix_equal_dequantized_math(d, kv):
     assert mx.allclose(s, q @ ck.decode(pk).swapaxes(-1, -2), atol=1e-3)
     p = mx.softmax(s, axis=-1)
     assert mx.allclose(cv.finish(cv.mix(p, pv)), p @ cv.decode(pv), atol=1e-4)
+
+
+def test_mixed_key_value_configs_are_named_and_checked():
+    from justfit.config import KVConfig
+    from justfit.errors import UserError
+    from justfit.kvexec.formats import make_codecs
+
+    kv = KVConfig(bits=4, key_format="rotated")
+    ck, cv = make_codecs(kv, 64)
+    assert (ck.name, cv.name) == ("rotated", "affine") and kv.name == "q4-affine-k4-rotated"
+    ck, cv = make_codecs(KVConfig(bits=4, key_bits=8), 64)
+    assert (ck.bits, cv.bits) == (8, 4) and KVConfig(bits=4, key_bits=8).name == "q4-affine-k8-affine"
+    assert KVConfig().name == "q4-affine"  # unchanged fingerprint name for the plain formats
+    for bad in (dict(bits=16, key_bits=8), dict(key_format="nope"), dict(key_format="rotated", key_bits=8)):
+        with pytest.raises(UserError):
+            KVConfig(**bad)

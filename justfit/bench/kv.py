@@ -1,41 +1,68 @@
 """`justfit bench kv`: KVExec's paged caches against mlx-lm's KVCache / QuantizedKVCache, same process.
 
-Rows per (system, context): decode_tok_s and kv_bytes on the full default model with caches filled by
-synthetic K/V (a long prefill per system is too slow on a CPU), and prefill_tok_s / peak_memory_bytes
-of a real chunked prefill on the default model cut to its first `--prefill-layers` layers (same
-attention shapes). Quality rows: see kv_quality.py. One JSON object on stdout with --json.
+Every timing is the median of `--rounds` interleaved rounds (systems alternate inside each round, the
+order rotating from round to round; caches are built once per context, warm-up excluded), with `_min` /
+`_max`. Row kinds (`kind` field):
+- `decode`: full default model, caches filled to `context` with the same synthetic K/V for every system;
+- `prefill`: real chunked prefill of random tokens, on the full model up to `--full-prefill-max` tokens
+  and on the model cut to `--prefill-layers` layers above it (long-context time and peak memory);
+- `capacity`: longest context whose KV bytes (measured per page/position on a real cache) plus the
+  attention workspace (measured prefill peak over KV at two contexts, extrapolated linearly) fit
+  `budget_bytes`, found by binary search.
+Quality rows: kv_quality.py. One JSON object on stdout with --json (DESIGN.md section 6).
 """
 
 import json
+import statistics
 import sys
 import time
 from typing import Optional
 
 import typer
 
-SYSTEM_NAMES = ["mlx-lm-fp16", "mlx-lm-q4", "justfit-fp16", "justfit-q4-affine", "justfit-q4-rotated"]
+SYSTEM_NAMES = ["mlx-lm-fp16", "mlx-lm-q4", "mlx-lm-q8", "justfit-fp16", "justfit-default", "justfit-q4-affine",
+                "justfit-q4-rotated", "justfit-q4-g32", "justfit-q4-rotkeys", "justfit-q4-rotkeys-g32", "justfit-k8v4"]
+DEFAULT_SYSTEMS = ["mlx-lm-fp16", "mlx-lm-q4", "justfit-fp16", "justfit-default"]
 CHUNK = 2048  # prefill chunk for every system (mlx-lm's default prefill_step_size)
+BUDGETS = (256 << 20, 1 << 30)
 
 
 def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def _factory(name: str, model, page_size: int = 256, sinks: int = 0):
+def kv_config(name: str, page_size: Optional[int] = None, sinks: Optional[int] = None):
+    """The KVConfig of a justfit system: the default one, or the default with bits/format changed."""
+    from dataclasses import replace
+
+    from justfit.config import KVConfig
+
+    base = {"justfit-default": KVConfig(), "justfit-fp16": KVConfig(bits=16),
+            "justfit-q4-affine": KVConfig(bits=4, format="affine"),
+            "justfit-q4-rotated": KVConfig(bits=4, format="rotated"),
+            "justfit-q4-g32": KVConfig(bits=4, format="affine", group_size=32),
+            "justfit-q4-rotkeys": KVConfig(bits=4, format="affine", key_format="rotated"),
+            "justfit-q4-rotkeys-g32": KVConfig(bits=4, format="affine", key_format="rotated", group_size=32),
+            "justfit-k8v4": KVConfig(bits=4, format="affine", key_bits=8)}[name]
+    if page_size is not None:
+        base = replace(base, page_size=page_size)
+    if sinks is not None:
+        base = replace(base, quantized_kv_start=sinks)
+    return base
+
+
+def _factory(name: str, model, page_size: Optional[int] = None, sinks: Optional[int] = None):
     """A function making fresh per-layer caches of one system for `model`."""
     from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
-    from justfit.config import KVConfig
     from justfit.kvexec import make_cache
 
     if name == "mlx-lm-fp16":
         return lambda: make_prompt_cache(model)
-    if name == "mlx-lm-q4":
-        return lambda: [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
-    common = dict(page_size=page_size, quantized_kv_start=sinks)
-    kv = {"justfit-fp16": KVConfig(bits=16, **common),
-          "justfit-q4-affine": KVConfig(bits=4, format="affine", **common),
-          "justfit-q4-rotated": KVConfig(bits=4, format="rotated", **common)}[name]
+    if name in ("mlx-lm-q4", "mlx-lm-q8"):
+        bits = int(name[-1])
+        return lambda: [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
+    kv = kv_config(name, page_size, sinks)
     return lambda: make_cache(model, kv)
 
 
@@ -54,7 +81,7 @@ def _fill_synthetic(caches, model, context: int, seed: int = 0):
         k = mx.random.normal((1, H, context, D), key=key)
         v = mx.random.normal((1, H, context, D), key=mx.random.split(key)[0])
         c.update_and_fetch(k, v)
-        mx.eval([a for a in _state(c)])
+        mx.eval(_state(c))
 
 
 def _state(c):
@@ -68,103 +95,205 @@ def _state(c):
     return flat
 
 
-def decode_row(model, make, context: int, steps: int):
-    """decode_tok_s with a synthetic `context`-token cache, and that cache's kv_bytes."""
+def _stats(values, name):
+    """{name: median, name_min, name_max} of per-round values."""
+    return {name: statistics.median(values), f"{name}_min": min(values), f"{name}_max": max(values)}
+
+
+def _order(names, r):
+    return names[r % len(names):] + names[: r % len(names)]
+
+
+def _nbytes(caches) -> int:
+    return int(sum(a.nbytes for c in caches for a in _state(c)))
+
+
+def decode_rows(model, systems, context: int, steps: int, rounds: int):
+    """decode_tok_s per system at `context` (synthetic fill once, `rounds` interleaved rounds of `steps` steps)."""
     import mlx.core as mx
 
-    caches = make()
-    _fill_synthetic(caches, model, context)
+    caches = {}
+    for name in systems:
+        caches[name] = _factory(name, model)()
+        _fill_synthetic(caches[name], model, context)
+    kv_bytes = {n: _nbytes(c) for n, c in caches.items()}
     token = mx.array([[42]])
-    for _ in range(2):  # warm up (and JIT-compile fused kernels)
-        mx.eval(model(token, cache=caches))
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        logits = model(token, cache=caches)
-        token = mx.argmax(logits[:, -1:], axis=-1)
-        mx.eval(token)
-    dt = time.perf_counter() - t0
-    kv_bytes = sum(c.nbytes for c in caches)
+    for c in caches.values():  # warm-up (and JIT-compile fused kernels), excluded
+        mx.eval(model(token, cache=c))
+    times = {n: [] for n in systems}
+    for r in range(rounds):
+        for name in _order(systems, r):
+            c, tok = caches[name], token
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = mx.argmax(model(tok, cache=c)[:, -1:], axis=-1)
+                mx.eval(tok)
+            times[name].append(steps / (time.perf_counter() - t0))
+            for layer in c:  # back to `context` so every round times the same length
+                layer.trim(steps)
     del caches
-    return {"decode_tok_s": steps / dt, "kv_bytes": int(kv_bytes)}
+    mx.clear_cache()
+    return [{"kind": "decode", "system": n, "context": context, "fill": "synthetic", "decode_steps": steps,
+             "rounds": rounds, "kv_bytes": kv_bytes[n], **_stats(times[n], "decode_tok_s")} for n in systems]
 
 
-def prefill_row(model, make, context: int):
-    """prefill_tok_s and peak_memory_bytes of a chunked prefill of `context` tokens (cut model)."""
+def _prefill_once(model, make, tokens):
     import mlx.core as mx
 
-    tokens = mx.random.randint(100, 40000, (context,), key=mx.random.key(context))
     caches = make()
-    mx.eval(tokens)
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
     t0 = time.perf_counter()
-    for i in range(0, context, CHUNK):
+    for i in range(0, tokens.size, CHUNK):
         model(tokens[i : i + CHUNK][None], cache=caches)  # logits stay lazy, as in mlx-lm's prefill
-        mx.eval([_state(c) for c in caches])
+        mx.eval(_state_all(caches))
     dt = time.perf_counter() - t0
     peak = mx.get_peak_memory()
+    kv = _nbytes(caches)
     del caches
     mx.clear_cache()
-    return {"prefill_tok_s": context / dt, "peak_memory_bytes": int(peak), "peak_over_start_bytes": int(peak - base)}
+    return tokens.size / dt, peak, peak - base, kv
+
+
+def _state_all(caches):
+    return [a for c in caches for a in _state(c)]
+
+
+def prefill_rows(model, systems, context: int, rounds: int, layers: Optional[int]):
+    """prefill_tok_s and peak memory per system: `rounds` interleaved real chunked prefills of random tokens."""
+    import mlx.core as mx
+
+    tokens = mx.random.randint(100, 40000, (context,), key=mx.random.key(context))
+    mx.eval(tokens)
+    tps = {n: [] for n in systems}
+    peak, over, kv = {}, {}, {}
+    with _Cut(model, layers):
+        makes = {n: _factory(n, model) for n in systems}
+        _prefill_once(model, makes[systems[0]], tokens[: min(context, 64)])  # warm-up, excluded
+        for r in range(rounds):
+            for name in _order(systems, r):
+                t, p, o, k = _prefill_once(model, makes[name], tokens)
+                tps[name].append(t)
+                peak.setdefault(name, []).append(p)
+                over.setdefault(name, []).append(o)
+                kv[name] = k
+    n_layers = layers or len(model.layers)
+    return [{"kind": "prefill", "system": n, "context": context, "prefill_layers": n_layers, "rounds": rounds,
+             "peak_memory_bytes": int(statistics.median(peak[n])),
+             "peak_over_start_bytes": int(statistics.median(over[n])), "kv_bytes": int(kv[n]),
+             **_stats(tps[n], "prefill_tok_s")} for n in systems]
+
+
+def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
+    """Longest context per system whose KV (full model) + attention workspace fits each budget (binary search)."""
+    import mlx.core as mx
+
+    n_layers = len(model.layers)
+    rows = []
+    for name in systems:
+        make = _factory(name, model)
+        with _Cut(model, 1):  # one layer: its KV bytes per position and its prefill workspace
+            work = []
+            for ctx in probe:
+                tokens = mx.random.randint(100, 40000, (ctx,), key=mx.random.key(ctx))
+                _, _, over, kv = _prefill_once(model, make, tokens)
+                work.append(max(0, over - kv))
+            kv_at = []
+            for ctx in probe:  # marginal bytes per position (a full-precision first page is a fixed cost)
+                caches = make()
+                _fill_synthetic(caches, model, ctx)
+                kv_at.append(_nbytes(caches))
+                del caches
+            per_position = (kv_at[1] - kv_at[0]) / (probe[1] - probe[0])
+            fixed = kv_at[0] - per_position * probe[0]
+        slope = max(0.0, (work[1] - work[0]) / (probe[1] - probe[0]))  # growth per position (0: bounded)
+
+        def need(n, w=max(work), s=slope, pp=per_position, f=fixed):
+            return n_layers * (pp * n + f) + w + s * max(0, n - probe[1])
+
+        for budget in budgets:
+            lo, hi = 0, 1 << 24
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
+            rows.append({"kind": "capacity", "system": name, "budget_bytes": int(budget), "capacity_positions": lo,
+                         "kv_bytes_per_position": n_layers * per_position, "kv_fixed_bytes": n_layers * fixed,
+                         "workspace_bytes_at_probe": work,
+                         "workspace_probe_contexts": list(probe),
+                         "positions_per_gib": lo * (1 << 30) / budget})
+            _log(f"kv: capacity {name} @ {budget / 2**20:.0f} MiB: {lo} positions")
+    return rows
 
 
 class _Cut:
-    """Temporarily keep only the first n transformer layers of an mlx-lm model."""
+    """Temporarily keep only the first n transformer layers of an mlx-lm model (None: all of them)."""
 
     def __init__(self, model, n):
         self.inner, self.n = model.model, n
 
     def __enter__(self):
         self.saved = self.inner.layers
-        self.inner.layers = self.saved[: self.n]
+        if self.n:
+            self.inner.layers = self.saved[: self.n]
 
     def __exit__(self, *exc):
         self.inner.layers = self.saved
 
 
-def run(model_spec: str, contexts, steps: int, prefill_layers: int, prompts: int, tokens: int,
-        stress_page: Optional[int], systems) -> dict:
+def _load():
+    """uptime load averages, to print next to timings (the machine may be shared)."""
+    import os
+
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: int, prefill_layers: int,
+        prompts: int, tokens: int, stress_page: Optional[int], systems, budgets, document: bool,
+        probe=(4096, 8192), chat: bool = True) -> dict:
     import mlx.core as mx
     import mlx_lm
 
     import justfit
+    from justfit.config import KVConfig
     from justfit.models.load import backend
 
     from . import kv_quality
 
     model, tokenizer = justfit.load(model_spec)
+    load_start = _load()
     rows = []
-    for ci, ctx in enumerate(contexts):
-        order = systems[ci % len(systems):] + systems[: ci % len(systems)]  # alternate who goes first
-        for name in order:
-            row = {"system": name, "context": ctx, "fill": "synthetic", "decode_steps": steps}
-            row.update(decode_row(model, _factory(name, model), ctx, steps))
-            with _Cut(model, prefill_layers):
-                row.update(prefill_row(model, _factory(name, model), ctx))
-            row["prefill_layers"] = prefill_layers
-            rows.append(row)
-            _log(f"kv: {name} ctx {ctx}: decode {row['decode_tok_s']:.2f} tok/s, kv {row['kv_bytes'] / 2**20:.1f} MiB, "
-                 f"prefill {row['prefill_tok_s']:.1f} tok/s, peak {row['peak_memory_bytes'] / 2**20:.0f} MiB")
+    for ctx in contexts:
+        for r in decode_rows(model, systems, ctx, steps, rounds):
+            rows.append(r)
+            _log(f"kv: decode {r['system']} ctx {ctx}: {r['decode_tok_s']:.2f} tok/s "
+                 f"[{r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}], kv {r['kv_bytes'] / 2**20:.1f} MiB")
+        layers = None if ctx <= full_prefill_max else prefill_layers
+        for r in prefill_rows(model, systems, ctx, rounds, layers):
+            rows.append(r)
+            _log(f"kv: prefill {r['system']} ctx {ctx} ({r['prefill_layers']} layers): {r['prefill_tok_s']:.1f} tok/s "
+                 f"[{r['prefill_tok_s_min']:.1f}-{r['prefill_tok_s_max']:.1f}], peak {r['peak_memory_bytes'] / 2**20:.0f} MiB")
+    if budgets:
+        rows.extend(capacity_rows(model, systems, budgets, probe))
     quality = []
-    if prompts > 0:
-        refs = kv_quality.reference(model, tokenizer, prompts, tokens)
-        qsys = [(n, None if n.startswith("mlx-lm") else (256, 0), None if n == "mlx-lm-fp16" else _factory(n, model))
-                for n in systems]
-        if stress_page:  # small pages: the format itself, without (0) and with (one page) full-precision sinks
-            qsys += [(n, (stress_page, sinks), _factory(n, model, stress_page, sinks))
-                     for sinks in (0, stress_page) for n in systems if n.startswith("justfit-q4")]
-        quality = kv_quality.quality_rows(model, refs, qsys)
+    if prompts > 0 or document:
+        quality = kv_quality.run(model, tokenizer, systems, _factory, prompts, tokens, stress_page, document, chat)
+    default = next((n for n in systems if n.startswith("justfit") and kv_config(n) == KVConfig()), None)
     return {
         "bench": "kv", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
         "versions": {"justfit": justfit.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
+        "default_system": default, "default_kv": vars(KVConfig()), "rounds": rounds,
+        "load_average": {"start": load_start, "end": _load()},
         "notes": {
-            "decode": "decode_tok_s and kv_bytes: full model, caches filled with synthetic random K/V to `context` tokens",
-            "prefill": f"prefill_tok_s and peak_memory_bytes: real chunked prefill ({CHUNK}-token chunks) of random "
-                       f"tokens on the model cut to its first {prefill_layers} layers (same attention shapes)",
-            "quality": "teacher-forced replay of fp16 greedy trajectories through each cache's decode path; "
-                       "rows with page_size 32 stress the quantized format (only the last <32 tokens stay full precision); "
-                       "quantized_kv_start > 0 keeps those first tokens (attention sinks, system prompt) full precision",
+            "timing": f"median of {rounds} interleaved rounds (order rotates each round), _min/_max across rounds, warm-up excluded",
+            "decode": "kind=decode: full model, caches filled once per context with the same synthetic random K/V; "
+                      "each round times `decode_steps` greedy steps then trims back to `context`",
+            "prefill": f"kind=prefill: real chunked prefill ({CHUNK}-token chunks) of random tokens, fresh caches each round; "
+                       f"prefill_layers = full model up to {full_prefill_max} tokens, else the first {prefill_layers} layers",
+            "capacity": "kind=capacity: binary search for the longest context whose full-model KV bytes (measured per "
+                        "position between the two probes on real caches, plus their fixed part) + prefill workspace (peak over start minus KV, one "
+                        "layer, the larger of the two probes, plus its growth per position when it grows) fit budget_bytes",
+            "quality": "see kv_quality.py: teacher-forced replay of fp16 greedy trajectories through each cache",
             "mlx-lm-fp16": "mlx-lm KVCache in the model's compute dtype (float32 on CPU)",
         },
         "rows": rows,
@@ -172,36 +301,77 @@ def run(model_spec: str, contexts, steps: int, prefill_layers: int, prompts: int
     }
 
 
-def kv(
-    contexts: str = typer.Option("1024,4096,16384", "--contexts", help="Comma-separated context lengths."),
-    steps: int = typer.Option(8, "--steps", help="Timed decode steps per row."),
-    prefill_layers: int = typer.Option(2, "--prefill-layers", help="Layers of the model used for prefill rows."),
-    prompts: int = typer.Option(20, "--prompts", help="Held-out chat prompts for quality rows (0 skips them)."),
-    tokens: int = typer.Option(64, "--tokens", help="Greedy trajectory length per prompt."),
-    stress_page: int = typer.Option(32, "--stress-page", help="Extra quality rows at this page size (0: none)."),
-    systems: str = typer.Option(",".join(SYSTEM_NAMES), "--systems", help="Comma-separated systems to run."),
-    model: str = typer.Option("default", "--model", help="Model spec, as for justfit chat."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-):
-    """Paged KV (fp16 / 4-bit affine / 4-bit rotated) vs mlx-lm KV caches: decode, prefill memory, quality."""
+def _ints(text: str, what: str):
     from justfit.errors import UserError
 
     try:
-        ctxs = [int(c) for c in contexts.split(",") if c.strip()]
+        values = [int(float(c)) for c in text.split(",") if c.strip()]
     except ValueError:
-        raise UserError(f"--contexts must be comma-separated integers, not {contexts!r}") from None
+        raise UserError(f"{what} must be comma-separated numbers, not {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise UserError(f"{what} must be positive")
+    return values
+
+
+def kv(
+    contexts: str = typer.Option("128,512,2048,8192,16384", "--contexts", help="Comma-separated context lengths."),
+    rounds: int = typer.Option(5, "--rounds", help="Interleaved rounds per timing (median, min, max)."),
+    steps: int = typer.Option(6, "--steps", help="Timed decode steps per system per round."),
+    full_prefill_max: int = typer.Option(2048, "--full-prefill-max", help="Prefill rows on the full model up to this context."),
+    prefill_layers: int = typer.Option(2, "--prefill-layers", help="Layers of the cut model for longer prefill rows."),
+    budgets: str = typer.Option("256M,1G", "--budgets", help="Capacity budgets for KV + workspace (bytes, or with M/G); '' skips."),
+    prompts: int = typer.Option(6, "--prompts", help="Held-out chat prompts for quality rows (0 skips them)."),
+    tokens: int = typer.Option(48, "--tokens", help="Greedy trajectory length per prompt."),
+    stress_page: int = typer.Option(32, "--stress-page", help="Extra quality rows at this page size (0: none)."),
+    document: bool = typer.Option(True, "--document/--no-document", help="Quality rows on the long held-out document."),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Quality rows on the short chats with the default layout."),
+    systems: str = typer.Option(",".join(DEFAULT_SYSTEMS), "--systems", help=f"Comma-separated, among {', '.join(SYSTEM_NAMES)}."),
+    capacity_probe: str = typer.Option("4096,8192", "--capacity-probe", help="Two contexts where capacity measures the workspace."),
+    model: str = typer.Option("default", "--model", help="Model spec, as for justfit chat."),
+    quick: bool = typer.Option(False, "--quick", help="CI smoke: contexts 128,512, 2 rounds, 2 steps, one budget, 2 prompts, no document."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+):
+    """Paged KV (default config, fp16 pages, variants) vs mlx-lm KV caches: decode, prefill, peak, capacity, quality."""
+    from justfit.errors import UserError
+
+    if quick:
+        contexts, rounds, steps, budgets, prompts, tokens, document = "128,512", 2, 2, "256M", 2, 16, False
+        capacity_probe = "2048,4096"
+    ctxs = _ints(contexts, "--contexts")  # empty: no timing rows (quality and capacity only)
+    budget_list = _ints(budgets.upper().replace("G", "e9").replace("M", "e6"), "--budgets") if budgets.strip() else []
+    budget_list = [_binary_units(b) for b in budget_list]
+    probe = _ints(capacity_probe, "--capacity-probe")
+    if len(probe) != 2 or probe[0] >= probe[1]:
+        raise UserError("--capacity-probe must be two increasing contexts")
     names = [s.strip() for s in systems.split(",") if s.strip()]
     unknown = [n for n in names if n not in SYSTEM_NAMES]
-    if unknown or not names or any(c <= 0 for c in ctxs):
-        raise UserError(f"--systems must be among {', '.join(SYSTEM_NAMES)} and contexts positive")
-    result = run(model, ctxs, steps, prefill_layers, prompts, tokens, stress_page or None, names)
+    if unknown or not names or rounds < 1 or steps < 1:
+        raise UserError(f"--systems must be among {', '.join(SYSTEM_NAMES)}; --rounds and --steps at least 1")
+    result = run(model, ctxs, steps, rounds, full_prefill_max, prefill_layers, prompts, tokens, stress_page or None,
+                 names, budget_list, document, tuple(probe), chat)
     if json_out:
         print(json.dumps(result))
-    else:
-        for r in result["rows"]:
-            print(f"{r['system']:20s} ctx {r['context']:6d}  decode {r['decode_tok_s']:7.2f} tok/s  "
-                  f"kv {r['kv_bytes'] / 2**20:8.1f} MiB  prefill {r['prefill_tok_s']:7.1f} tok/s  "
-                  f"peak {r['peak_memory_bytes'] / 2**20:7.0f} MiB")
-        for q in result["quality"]:
-            print(f"{q['system']:20s} page {q.get('page_size', '-')!s:4s} top1 {q['top1']:.3f}  kl {q['kl']:.4f}  "
-                  f"ppl {q['ppl']:.3f} (fp16 {q['ppl_fp16']:.3f})  agreement {q['agreement']:.3f}")
+        return
+    print(f"default_system: {result['default_system']}  load {result['load_average']}")
+    for r in result["rows"]:
+        if r["kind"] == "decode":
+            print(f"decode   {r['system']:20s} ctx {r['context']:6d}  {r['decode_tok_s']:7.2f} tok/s "
+                  f"[{r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}]  kv {r['kv_bytes'] / 2**20:8.1f} MiB")
+        elif r["kind"] == "prefill":
+            print(f"prefill  {r['system']:20s} ctx {r['context']:6d}  {r['prefill_tok_s']:7.1f} tok/s "
+                  f"[{r['prefill_tok_s_min']:.1f}-{r['prefill_tok_s_max']:.1f}]  peak {r['peak_memory_bytes'] / 2**20:7.0f} MiB"
+                  f"  ({r['prefill_layers']} layers)")
+        else:
+            print(f"capacity {r['system']:20s} budget {r['budget_bytes'] / 2**20:6.0f} MiB  {r['capacity_positions']:8d} positions")
+    for q in result["quality"]:
+        print(f"quality  {q['system']:20s} {q['workload']:9s} page {q.get('page_size', '-')!s:4s} top1 {q['top1']:.3f}  "
+              f"kl {q['kl']:.4f}  ppl {q['ppl']:.3f} (fp16 {q['ppl_fp16']:.3f})  quantized {q.get('quantized_token_fraction', 0):.2f}")
+
+
+def _binary_units(b: int) -> int:
+    """'256M' / '1G' were parsed as 256e6 / 1e9: read them as MiB / GiB."""
+    if b % 1_000_000_000 == 0:
+        return b // 1_000_000_000 << 30
+    if b % 1_000_000 == 0:
+        return b // 1_000_000 << 20
+    return b

@@ -1,4 +1,9 @@
-"""Quality rows of `justfit bench kv`: each system's KV cache replaying fp16 greedy trajectories.
+"""Quality rows of `justfit bench kv`: each system's KV cache against mlx-lm's float KVCache.
+
+Workloads (`workload` field): `chat` (short held-out prompts, default page layout: usually nothing seals),
+`stress` (the same chats with small pages and no full-precision start: the quantized format itself) and
+`document` (kv_document.py, ~2.4k tokens written for this bench, teacher-forced in 64-token chunks with the
+default layout; metrics over positions >= DOC_SCORED_FROM, all of which attend to sealed quantized pages).
 
 For each held-out chat prompt, a greedy trajectory is generated with mlx-lm's float KVCache (whose
 per-step logits are the reference); every other system then replays prompt + trajectory token by token
@@ -131,3 +136,85 @@ def _quantized_fraction(caches):
         return 1.0 if hasattr(caches[0], "bits") else 0.0
     c = paged[0]
     return sum(n for _, n, p in c.pages() if p.kind == "q") / max(1, c.offset)
+
+
+DOC_CHUNK = 64  # teacher-forcing chunk for the document (like agent turns: prefill of a few dozen tokens)
+DOC_SCORED_FROM = 512  # first scored position: past the full-precision first page and one sealed 4-bit page
+
+
+def document_ids(tokenizer):
+    from .kv_document import DOCUMENT
+
+    return list(tokenizer.encode(DOCUMENT))
+
+
+def _chunked_logits(model, caches, ids):
+    """Float32 logits [len(ids), vocab] of the document fed in DOC_CHUNK-token chunks."""
+    import mlx.core as mx
+
+    out = []
+    for i in range(0, len(ids), DOC_CHUNK):
+        logits = model(mx.array(ids[i : i + DOC_CHUNK])[None], cache=caches)[0].astype(mx.float32)
+        mx.eval(logits)
+        out.append(logits)
+    return mx.concatenate(out)
+
+
+def document_rows(model, ids, systems):
+    """One row per system: top1 (argmax agreement with fp16), kl, ppl of the document's next tokens."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ref = _chunked_logits(model, make_prompt_cache(model), ids)[DOC_SCORED_FROM - 1 : -1]
+    target = ids[DOC_SCORED_FROM:]
+    rows = []
+    for name, layout, make in systems:
+        if make is None:
+            continue
+        caches = make()
+        logits = _chunked_logits(model, caches, ids)[DOC_SCORED_FROM - 1 : -1]
+        m = metrics(ref, logits, mx.argmax(ref, axis=-1).tolist())
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        lp0 = ref - mx.logsumexp(ref, axis=-1, keepdims=True)
+        rows_ = mx.arange(len(target))
+        nll = -np.array(lp[rows_, mx.array(target)])
+        nll0 = -np.array(lp0[rows_, mx.array(target)])
+        row = {"system": name, "workload": "document", "tokens": len(ids), "scored_from": DOC_SCORED_FROM,
+               "top1": m["top1"], "kl": m["kl"], "ppl": float(np.exp(nll.mean())), "ppl_fp16": float(np.exp(nll0.mean())),
+               "quantized_token_fraction": _quantized_fraction(caches)}
+        row["ppl_delta"] = row["ppl"] / row["ppl_fp16"] - 1
+        if layout is not None:
+            row["page_size"], row["quantized_kv_start"] = layout
+        rows.append(row)
+        _log(f"quality: document {name}: top1 {row['top1']:.3f} kl {row['kl']:.4f} ppl {row['ppl']:.3f} "
+             f"(fp16 {row['ppl_fp16']:.3f}) quantized {row['quantized_token_fraction']:.2f}")
+    return rows
+
+
+def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, document, chat=True):
+    """All quality rows of `justfit bench kv` for `systems` (names), with `factory(name, model, page, start)`."""
+    from .kv import kv_config
+
+    def layout(name, page=None, start=None):
+        if name.startswith("mlx-lm"):
+            return None
+        kv = kv_config(name, page, start)
+        return (kv.page_size, kv.quantized_kv_start)
+
+    plain = [(n, layout(n), None if n == "mlx-lm-fp16" else factory(n, model)) for n in systems]
+    rows = []
+    if prompts > 0:
+        refs = reference(model, tokenizer, prompts, tokens)
+        if chat:
+            rows += [dict(r, workload="chat") for r in quality_rows(model, refs, plain)]
+        if stress_page:
+            stress = [(n, layout(n, stress_page, 0), factory(n, model, stress_page, 0)) for n in systems
+                      if n.startswith("justfit") and n != "justfit-fp16"]
+            stress += [(n, layout(n, stress_page, stress_page), factory(n, model, stress_page, stress_page))
+                       for n in systems if n == "justfit-default"]  # the same with one page of full-precision sinks
+            stress += [p for p in plain if p[0].startswith("mlx-lm") and p[2] is not None]
+            rows += [dict(r, workload="stress") for r in quality_rows(model, refs, stress)]
+    if document:
+        rows += document_rows(model, document_ids(tokenizer), plain)
+    return rows

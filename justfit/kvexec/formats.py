@@ -150,9 +150,13 @@ def make_codecs(kv, head_dim: int):
     """(key codec, value codec) for a KVConfig; bits=16 gives FullCodec for both."""
     if kv.bits == 16:
         return FullCodec(head_dim), FullCodec(head_dim)
-    if kv.format == "rotated":
-        return RotatedCodec(head_dim, rotation.KEY_SEED), RotatedCodec(head_dim, rotation.VALUE_SEED)
-    return AffineCodec(head_dim, kv.bits, kv.group_size), AffineCodec(head_dim, kv.bits, kv.group_size)
+    def codec(fmt, bits, seed):
+        if fmt == "rotated":
+            return RotatedCodec(head_dim, seed)
+        return AffineCodec(head_dim, bits, kv.group_size)
+
+    key = codec(kv.key_format or kv.format, kv.key_bits or kv.bits, rotation.KEY_SEED)
+    return key, codec(kv.format, kv.bits, rotation.VALUE_SEED)
 
 
 def parts_nbytes(parts) -> int:

@@ -115,6 +115,8 @@ def _plain(cache, L, hq, mask, sinks) -> bool:
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         return False  # PagedMask (sliding window) or a dense array mask
     ck, cv = cache.codecs
+    if ck.name != cv.name or getattr(ck, "bits", 4) != getattr(cv, "bits", 4):
+        return False  # the kernels take one format for keys and values
     if not (_supported(ck) and _supported(cv)) or cache.value_dim != cache.head_dim:
         return False
     H = cache.n_kv_heads

@@ -1,0 +1,138 @@
+"""`justfit bench chat`: one-shot chat turns, `rt.stream(prompt)` vs `mlx_lm.stream_generate`, interleaved.
+
+Both systems get the same prompt text (the Runtime's chat template renders it; mlx-lm gets those token
+ids), the same model weights and greedy sampling. TTFT is the time from the call to the first token
+yielded; decode tok/s is (tokens - 1) / (last token time - first token time); peak memory is MLX's peak
+over the turn. Each round uses a fresh prompt (so no system reuses a previous round's prefix beyond
+what the Runtime's own prefix cache does, reported as `reused_tokens`); systems alternate in each round.
+"""
+
+import json
+import statistics
+import sys
+import time
+
+import typer
+
+PROMPTS = [
+    "Describe how a lighthouse keeper might spend a stormy night, in about one hundred words.",
+    "Explain, step by step, how to check whether a number is prime, then give a short Python function.",
+    "Write a short letter from a gardener to a neighbour about a tree that grows over the fence.",
+    "What are three things to consider when choosing a bicycle for commuting? Explain each briefly.",
+    "Summarize the idea of supply and demand for someone who has never studied economics.",
+    "Give a packing list for a two-day hike in autumn and say why each item matters.",
+    "Tell a very short story about a robot who learns to bake bread.",
+]
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _timed(chunks):
+    """(ttft_s, decode_tok_s, tokens) of an iterator of generated tokens started just now."""
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    for _ in chunks:
+        last = time.perf_counter()
+        first = first or last
+        n += 1
+    if first is None:
+        return float("nan"), 0.0, 0
+    return first - t0, (n - 1) / (last - first) if n > 1 and last > first else 0.0, n
+
+
+def _justfit(rt, prompt, max_tokens):
+    import mlx.core as mx
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    chunks = (c for c in rt.stream(prompt, max_tokens=max_tokens) if c.token >= 0)
+    ttft, tps, n = _timed(chunks)
+    stats = getattr(rt, "last_stats", None)  # TurnStats (engine) or a dict (before it)
+    reused = stats.get("reused_tokens", 0) if isinstance(stats, dict) else getattr(stats, "reused_tokens", 0)
+    return {"ttft_s": ttft, "decode_tok_s": tps, "tokens": n, "peak_memory_bytes": mx.get_peak_memory(),
+            "reused_tokens": int(reused or 0)}
+
+
+def _mlx_lm(model, tokenizer, ids, max_tokens):
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    eos = set(tokenizer.eos_token_ids)
+    chunks = (r for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens) if r.token not in eos)
+    ttft, tps, n = _timed(chunks)
+    return {"ttft_s": ttft, "decode_tok_s": tps, "tokens": n, "peak_memory_bytes": mx.get_peak_memory(),
+            "reused_tokens": 0}
+
+
+def run(model_spec: str, rounds: int, max_tokens: int) -> dict:
+    import os
+
+    import mlx.core as mx
+    import mlx_lm
+
+    import justfit
+    from justfit.models.load import backend
+
+    rt = justfit.Runtime(model_spec)
+    model, tokenizer = rt.model, rt.tokenizer
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    _justfit(rt, "Hello.", 4)  # warm-up, excluded
+    _mlx_lm(model, tokenizer, rt.encode("Hello."), 4)
+    per = {"justfit": [], "mlx-lm": []}
+    for r in range(rounds):
+        prompt = PROMPTS[r % len(PROMPTS)] + ("" if r < len(PROMPTS) else f" (variant {r})")
+        ids = rt.encode(prompt)
+        order = ["justfit", "mlx-lm"] if r % 2 == 0 else ["mlx-lm", "justfit"]
+        for name in order:
+            res = _justfit(rt, prompt, max_tokens) if name == "justfit" else _mlx_lm(model, tokenizer, ids, max_tokens)
+            res["prompt_tokens"] = len(ids)
+            per[name].append(res)
+            _log(f"chat: round {r + 1} {name}: ttft {res['ttft_s'] * 1000:.0f} ms, decode {res['decode_tok_s']:.1f} tok/s, "
+                 f"{res['tokens']} tokens, peak {res['peak_memory_bytes'] / 2**20:.0f} MiB")
+    rows = []
+    for name, rs in per.items():
+        row = {"system": name, "rounds": rounds, "max_tokens": max_tokens,
+               "prompt_tokens": statistics.median(x["prompt_tokens"] for x in rs),
+               "generated_tokens": statistics.median(x["tokens"] for x in rs),
+               "reused_tokens": statistics.median(x["reused_tokens"] for x in rs)}
+        for key in ("ttft_s", "decode_tok_s", "peak_memory_bytes"):
+            vals = [x[key] for x in rs]
+            row.update({key: statistics.median(vals), f"{key}_min": min(vals), f"{key}_max": max(vals)})
+        rows.append(row)
+    return {"bench": "chat", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
+            "versions": {"justfit": justfit.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
+            "default_kv": vars(rt.kv), "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+            "notes": {"timing": f"median of {rounds} interleaved rounds, fresh prompt per round, greedy, _min/_max",
+                      "justfit": "Runtime.stream(prompt): the path of `justfit chat` (default KVConfig, prefix reuse on)",
+                      "mlx-lm": "mlx_lm.stream_generate on the same token ids, its default KVCache"},
+            "rows": rows}
+
+
+def chat(
+    rounds: int = typer.Option(5, "--rounds", help="Interleaved rounds (median, min, max)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens generated per turn."),
+    model: str = typer.Option("default", "--model", help="Model spec, as for justfit chat."),
+    quick: bool = typer.Option(False, "--quick", help="CI smoke: 2 rounds of 8 tokens."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+):
+    """One-shot chat turns: TTFT, decode tok/s and peak memory of justfit's chat path vs mlx_lm.stream_generate."""
+    from justfit.errors import UserError
+
+    if quick:
+        rounds, max_tokens = 2, 8
+    if rounds < 1 or max_tokens < 2:
+        raise UserError("--rounds must be at least 1 and --max-tokens at least 2")
+    result = run(model, rounds, max_tokens)
+    if json_out:
+        print(json.dumps(result))
+        return
+    print(f"load {result['load_average']}")
+    for r in result["rows"]:
+        print(f"{r['system']:8s} ttft {r['ttft_s'] * 1000:7.0f} ms [{r['ttft_s_min'] * 1000:.0f}-{r['ttft_s_max'] * 1000:.0f}]  "
+              f"decode {r['decode_tok_s']:6.1f} tok/s [{r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f}]  "
+              f"peak {r['peak_memory_bytes'] / 2**20:6.0f} MiB  prompt {r['prompt_tokens']:.0f} tokens")
