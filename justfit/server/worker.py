@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..errors import MemoryBudgetError, UserError
+from ..statetrans.index import common_prefix
 from .errors import APIError
 
 log = logging.getLogger("justfit.server")
@@ -166,7 +167,7 @@ class Worker:
         if job.session is None:
             return self.rt, self.rt.stream(job.prompt, job.max_tokens, **opts)
         s = self._session(job.session)
-        s.persist = s.persist or job.persist or self.persist
+        s.set_persist(s.persist or job.persist or self.persist)
         keep = common_prefix(s.tokens, job.prompt)
         keep = min(keep, len(job.prompt) - 1)  # the engine needs at least one new token
         if keep < len(s.tokens):
@@ -180,7 +181,7 @@ class Worker:
                 s = self.rt.session(name)
             except UserError as e:
                 raise APIError(400, str(e), "prompt_cache_key", "invalid_value") from None
-            s.persist = False
+            s.set_persist(False)
         self.sessions[name] = s  # most recently used last
         while len(self.sessions) > MAX_SESSIONS:
             oldest = next(iter(self.sessions))
@@ -198,11 +199,3 @@ class Worker:
         self.released = True
         log.info("idle for %.0f s: released %.1f MB; the next request reloads", self.idle_release, freed / 1e6)
 
-
-def common_prefix(a: List[int], b: List[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

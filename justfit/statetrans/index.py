@@ -82,7 +82,7 @@ class PrefixIndex:
         prev = self.chain(tokens[:n * P])
         entries = list(self.open.get(prev, []))
         entries += [(t, self.mem[h]) for h, t in self.sealed_tokens.get(prev, {}).items() if h in self.mem]
-        best, pid = max(((_common(t, rest), pid) for t, pid in entries if pid in self.pool.refs),
+        best, pid = max(((common_prefix(t, rest), pid) for t, pid in entries if pid in self.pool.refs),
                         default=(0, None))
         if best:
             self.pool.retain([pid])
@@ -223,7 +223,8 @@ class PrefixIndex:
         return {p["hash"] for m in list_manifests(self.home) for p in m.pages}
 
 
-def _common(a, b) -> int:
+def common_prefix(a, b) -> int:
+    """How many leading items two token lists share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

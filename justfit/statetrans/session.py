@@ -21,6 +21,7 @@ from ..models.chat import chat_text, encode_text
 from ..models.vocab import check_token_ids, vocab_size
 from ..turns import Generation, TurnStats
 from .checkpoint import commit, open_page_tensors, page_loaders
+from .index import common_prefix
 from .lock import acquire as acquire_lock  # issue 15
 from .lock import release as release_lock  # issue 15
 from .manifest import Manifest, check_name, manifest_path, read_manifest, warn
@@ -227,9 +228,7 @@ class Session:
             if full.startswith(head + text):
                 self.tokens += encode_text(tok, full[len(head) + len(text):], first=False)
                 self.messages[-1]["end"] = len(self.tokens)
-        had = prompt_tokens + fed
-        keep = next((i for i, (a, b) in enumerate(zip(had, self.tokens)) if a != b), min(len(had), len(self.tokens)))
-        self._trim_kv(keep)
+        self._trim_kv(common_prefix(prompt_tokens + fed, self.tokens))
 
     def _trim_kv(self, n: int):
         for c in self.cache:
@@ -256,6 +255,11 @@ class Session:
         check_token_ids(list(tokens), vocab_size(self.rt.model))
         self.tokens += list(tokens)
         self.dirty = True
+
+    def set_persist(self, on: bool):
+        """Write this named session to disk at its checkpoints (on), or keep it in memory only (off), e.g.
+        a server keeps a prompt_cache_key session on disk only when the client asked for retention."""
+        self.persist = bool(on) and self.kv_name is not None
 
     def set_messages(self, messages: List[dict]):
         """Replace the recorded chat messages (a front that renders its own prompts, like an agent loop,
