@@ -277,7 +277,8 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
         rows.extend(capacity_rows(model, systems, budgets, probe))
     quality = []
     if prompts > 0 or document:
-        quality = kv_quality.run(model, tokenizer, systems, _factory, prompts, tokens, stress_page, document, chat)
+        quality = kv_quality.run(model, tokenizer, systems, _factory, prompts, tokens, stress_page, document, chat,
+                                  kv_config=kv_config)
     default = next((n for n in systems if n.startswith("justfit") and kv_config(n) == KVConfig()), None)
     return {
         "bench": "kv", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),

@@ -192,10 +192,9 @@ def document_rows(model, ids, systems):
     return rows
 
 
-def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, document, chat=True):
-    """All quality rows of `justfit bench kv` for `systems` (names), with `factory(name, model, page, start)`."""
-    from .kv import kv_config
-
+def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, document, chat=True, kv_config=None):
+    """All quality rows of `justfit bench kv` for `systems` (names), with `factory(name, model, page, start)`;
+    `kv_config(name, page, start)` gives a justfit system's KVConfig (passed in: bench kv owns the names)."""
     def layout(name, page=None, start=None):
         if name.startswith("mlx-lm"):
             return None
