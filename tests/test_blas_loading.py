@@ -23,7 +23,7 @@ def test_blas():
     print("BLAS=" + active_blas())
 
 def test_fails():
-    assert 1 == 2, "dummy failure"
+    raise AssertionError("dummy failure")  # the dummy suite must report a real failure
 
 def test_after():
     print("AFTER-RAN")
