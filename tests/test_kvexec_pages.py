@@ -98,6 +98,31 @@ def test_sealed_pages_listing_and_lazy_restore():
     assert attention.paged_attention(q, restored[1], 0.125).shape == (1, 4, 1, 64)
 
 
+def test_copy_on_write_of_a_lazily_restored_page_loads_it_once():
+    """A shared, restored page copied before its first write must not run its loader twice (the loader
+    of a page file closes the file after each layer ran once; a second run read a closed file in CI)."""
+    seq, caches = _layers()
+    _append(caches, 40)  # one sealed page and an open one of 8 tokens
+    pages = [caches[i].seq.pool.get(i, seq.table[1]) for i in range(3)]
+    calls = []
+
+    def loader(page, layer):
+        def load():
+            calls.append(layer)
+            return page.k, page.v
+        return load
+
+    seq2 = Sequence(seq.pool)
+    seq2.append_restored([p.kind for p in pages], [loader(p, i) for i, p in enumerate(pages)], n_tokens=8)
+    other = seq2.fork()  # now shared: the first write copies it
+    pid = seq2.writable(0)
+    assert pid != other.table[0] and sorted(calls) == [0, 1, 2]
+    for layer in range(3):
+        assert seq.pool.get(layer, pid).k is seq.pool.get(layer, other.table[0]).k
+    seq2.pool.get(0, other.table[0]).parts()
+    assert sorted(calls) == [0, 1, 2]  # the original record was loaded by the copy, not again
+
+
 def test_nbytes_counts_pages_and_quantization_shrinks_them():
     _, fp = _layers(kv=KVConfig(bits=16, page_size=32))
     _, q4 = _layers(kv=KVConfig(quantized_kv_start=0, bits=4, page_size=32))

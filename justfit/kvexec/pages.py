@@ -153,6 +153,7 @@ class Sequence:
         for layer in range(self.pool.n_layers):
             page = self.pool.get(layer, pid)
             if page is not None:
+                page.parts()  # load a lazily restored page once, so both copies share its arrays
                 self.pool.put(layer, new, replace(page))
         self.pool.release([pid])
         self.table[index] = new
