@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 FORMATS = ("affine", "rotated")
+KEY_FORMATS = FORMATS + ("channel",)  # channel: per-channel key quantization along tokens (keys only)
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,8 @@ class KVConfig:
             raise UserError("the rotated KV format is 4-bit only")
         if self.group_size not in (32, 64, 128):
             raise UserError(f"KV group size must be 32, 64 or 128, not {self.group_size}")
-        if self.key_format is not None and self.key_format not in FORMATS:
-            raise UserError(f"KV key format must be one of {FORMATS}, not {self.key_format!r}")
+        if self.key_format is not None and self.key_format not in KEY_FORMATS:
+            raise UserError(f"KV key format must be one of {KEY_FORMATS}, not {self.key_format!r}")
         if self.key_bits is not None and (self.key_bits not in (4, 8) or self.bits == 16):
             raise UserError("KV key bits must be 4 or 8, with quantized values (bits 4 or 8)")
         if self.key_format == "rotated" and self.key_bits not in (None, 4):

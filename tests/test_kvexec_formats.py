@@ -111,3 +111,24 @@ def test_mixed_key_value_configs_are_named_and_checked():
     for bad in (dict(bits=16, key_bits=8), dict(key_format="nope"), dict(key_format="rotated", key_bits=8)):
         with pytest.raises(UserError):
             KVConfig(**bad)
+
+
+@pytest.mark.parametrize("page,group", [(256, 64), (256, 32), (32, 64)])
+def test_channel_keys_scores_match_their_decode_and_beat_per_token_on_outlier_channels(page, group):
+    """Per-channel keys: scores (quantized matmul and dequantized GEMM paths) equal the decoded math, pages
+    concatenate along axis 1, and a few large-offset channels (as in real keys) cost far less than affine."""
+    kv = KVConfig(bits=4, key_format="channel", page_size=page, group_size=group, quantized_kv_start=0)
+    ck, cv = formats.make_codecs(kv, 64)
+    assert (ck.name, cv.name, kv.name) == ("channel", "affine", "q4-affine-k4-channel")
+    offset = mx.zeros((64,)).at[mx.array([3, 17, 40])].add(mx.array([30.0, -25.0, 18.0]))
+    x = mx.random.normal((2, 2 * page, 64), key=mx.random.key(1)) + offset
+    pages = [ck.encode(x[:, i * page:(i + 1) * page]) for i in range(2)]
+    run = tuple(mx.concatenate(col, axis=1) for col in zip(*pages))  # how attention concatenates a run
+    y = ck.decode(run)
+    assert y.shape == x.shape
+    for rows in (3, formats.DEQUANT_ROWS):
+        q = mx.random.normal((2, rows, 64))
+        assert mx.allclose(ck.scores(ck.prepare(q), run), q @ y.swapaxes(-1, -2), atol=1e-2)
+    affine = formats.make_codecs(KVConfig(bits=4, quantized_kv_start=0), 64)[0]
+    err = lambda c: float(((c.decode(c.encode(x)) - x) ** 2).mean())  # noqa: E731
+    assert err(ck) * 20 < err(affine)

@@ -88,6 +88,46 @@ class AffineCodec:
         return o[..., : self.head_dim]
 
 
+class ChannelCodec:
+    """Keys only, bits 4/8: each channel quantized along tokens in groups of `group_size` tokens (KIVI-style
+    per-channel keys), so a few large-magnitude channels no longer set the scale of every other channel.
+    Stored [H, P/g, D, g*bits/32] words with scales and biases [H, P/g, D, 1]: axis 1 still runs along
+    tokens (in groups), so pages of a run concatenate on it like every other format."""
+
+    name = "channel"
+
+    def __init__(self, head_dim: int, bits: int, group_size: int):
+        self.head_dim, self.bits, self.group_size = head_dim, bits, group_size
+        self.dim = head_dim
+
+    def _q(self):
+        return dict(group_size=self.group_size, bits=self.bits)
+
+    def encode(self, x):
+        H, T, D = x.shape
+        g = self.group_size
+        return tuple(mx.quantize(x.reshape(H, T // g, g, D).swapaxes(-1, -2), **self._q()))
+
+    def decode(self, parts):
+        y = mx.dequantize(*parts, **self._q()).swapaxes(-1, -2)  # [H, G, g, D]
+        return y.reshape(y.shape[0], -1, y.shape[-1])
+
+    def prepare(self, q):
+        return q
+
+    def scores(self, qc, parts):
+        if qc.shape[-2] >= DEQUANT_ROWS:
+            return qc @ self.decode(parts).astype(qc.dtype).swapaxes(-1, -2)
+        s = mx.quantized_matmul(qc[:, None], *parts, transpose=False, **self._q())  # [H, G, M, g]
+        return s.swapaxes(1, 2).reshape(qc.shape[0], qc.shape[1], -1)
+
+    def mix(self, p, parts):
+        return p @ self.decode(parts).astype(p.dtype)
+
+    def finish(self, o):
+        return o
+
+
 def unpack4(packed: mx.array) -> mx.array:
     """uint32 words [..., Dp/8] -> 4-bit codes [..., Dp], element i at bits 4*(i % 8) of word i // 8."""
     global _SHIFTS4
@@ -153,6 +193,9 @@ def make_codecs(kv, head_dim: int):
     def codec(fmt, bits, seed):
         if fmt == "rotated":
             return RotatedCodec(head_dim, seed)
+        if fmt == "channel":  # token groups: the group size, or the largest smaller one that divides a page
+            group = next(g for g in (128, 64, 32) if g <= kv.group_size and kv.page_size % g == 0)
+            return ChannelCodec(head_dim, bits, group)
         return AffineCodec(head_dim, bits, kv.group_size)
 
     key = codec(kv.key_format or kv.format, kv.key_bits or kv.bits, rotation.KEY_SEED)
