@@ -183,11 +183,24 @@ def serve(
     from .runtime import Runtime
     from .server.app import check_bind, serve as run_server
 
+    from .distributed import launched
+
     check_bind(host, api_key)
+    if launched() and idle_release:  # distributed hook (issue 17)
+        raise UserError("--idle-release is not supported under mlx.launch yet (the ranks would release at different times)")
     fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
     rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget))
-    run_server(rt, host, port, api_key=api_key, cors=cors, persist=persist, idle_release=idle_release,
-               max_queue=max_queue, max_body=max_body)
+    options = dict(api_key=api_key, cors=cors, persist=persist, idle_release=idle_release, max_queue=max_queue,
+                   max_body=max_body)
+    if rt.sharding.world_size > 1:  # distributed hook (issue 17): rank 0 serves, the others follow its turns
+        from .distributed.serving import run_front
+
+        why = run_front(rt, lambda front: run_server(front, host, port, **options))
+        if why:  # a turn may still be stuck inside MLX waiting for the dead rank: exit now
+            typer.echo(f"justfit: error: {why}", err=True)
+            os._exit(1)
+        return
+    run_server(rt, host, port, **options)
 
 
 @models_app.command("list")

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -35,3 +36,18 @@ def last_json(r: subprocess.CompletedProcess) -> dict:
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     assert r.returncode == 0 and len(lines) == 1, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
     return json.loads(lines[0])
+
+
+def rank_process(parent, rank: str, deadline: float):
+    """The python process of `rank` among `parent`'s descendants (psutil.Process), None by the deadline."""
+    import psutil
+
+    while time.time() < deadline:
+        for p in parent.children(recursive=True):
+            try:
+                if p.environ().get("MLX_RANK") == rank and "python" in p.name():
+                    return p
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.2)
+    return None

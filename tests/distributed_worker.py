@@ -3,7 +3,7 @@
   distributed_worker.py raw KV_HEADS N KINDS           tiny random llama + justfit.make_cache, greedy
   distributed_worker.py runtime MODEL HOME BITS N PROMPT   justfit.Runtime(...).generate
   distributed_worker.py session MODEL HOME BITS N PROMPT NAME   a distributed session turn + checkpoint
-  distributed_worker.py follow MODEL HOME BITS N PROMPT     rank 0 leads two requests, the others follow
+  distributed_worker.py follow MODEL HOME BITS N PROMPT     rank 0 leads a turn and a batch (serving.py), the others follow
 Rank 0 prints one JSON line: tokens, and every rank's sharding and KV bytes.
 """
 
@@ -65,18 +65,16 @@ def runtime(folder, home, bits, n, prompt, session=None):
     rt = justfit.Runtime(model=folder, kv=justfit.KVConfig(bits=int(bits), page_size=32, quantized_kv_start=0),
                          home=home, drafter="none")
     extra = {}
-    if session == "-follow":  # rank 0 decides two requests, the follower receives them (the server's way)
-        from justfit.distributed.follow import follow, lead, lead_stop
+    if session == "-follow":  # rank 0 leads a turn and a batch of two, the follower mirrors (the server's way)
+        from justfit.distributed.serving import Leader, follow_turns
 
         if not world().is_front:
-            follow(rt)
+            follow_turns(rt)
             return rt.sharding, rt.index.pool.nbytes, [], {}
-        outs = []
-        for text in (prompt, prompt + " again"):
-            tokens = rt.encode(text)
-            lead(tokens, int(n))
-            outs.append(rt.generate(tokens, max_tokens=int(n)).tokens)
-        lead_stop()
+        leader = Leader(rt)
+        outs = [leader.generate(prompt, max_tokens=int(n)).tokens]
+        outs += [g.tokens for g in leader.generate_batch([prompt + " again", prompt], max_tokens=int(n))]
+        leader.stop()
         return rt.sharding, rt.index.pool.nbytes, outs, {}
     if session:
         from justfit.distributed.sessions import open_session

@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from distributed_launch import env, free_port, launch, launcher, why_not
+from distributed_launch import env, free_port, launch, launcher, rank_process, why_not
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +39,6 @@ def test_chat_two_ranks_prints_once_like_one_process(tiny_folder, tmp_path):
     assert one.stdout.strip() and two.stdout == one.stdout  # printed once, same reply
 
 
-def _rank_process(parent: psutil.Process, rank: str, deadline: float):
-    while time.time() < deadline:
-        for p in parent.children(recursive=True):
-            try:
-                if p.environ().get("MLX_RANK") == rank and "python" in p.name():
-                    return p
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        time.sleep(0.2)
-    return None
-
-
 def test_dead_rank_stops_the_run_without_hanging(tiny_folder, tmp_path):
     _skip_without_launch()
     cmd = [launcher(), "-n", "2", "--backend", "ring", "-p", str(free_port()), "--python", sys.executable, "--",
@@ -60,7 +48,7 @@ def test_dead_rank_stops_the_run_without_hanging(tiny_folder, tmp_path):
     printed = []
     threading.Thread(target=lambda: printed.append(proc.stdout.read(1)), daemon=True).start()
     try:
-        follower = _rank_process(psutil.Process(proc.pid), "1", time.time() + 60)
+        follower = rank_process(psutil.Process(proc.pid), "1", time.time() + 60)
         assert follower is not None, "rank 1 never started"
         deadline = time.time() + 300
         while not printed and time.time() < deadline and proc.poll() is None:
@@ -79,12 +67,14 @@ def test_dead_rank_stops_the_run_without_hanging(tiny_folder, tmp_path):
 
 @pytest.mark.slow
 def test_followers_run_what_rank_0_leads(tiny_folder, tmp_path):
-    """The server's way: only rank 0 sees requests; it broadcasts each, the follower runs the same turn."""
+    """The server's way: only rank 0 sees requests (a turn, then a batch run serially); it broadcasts each,
+    the follower runs the same turn."""
     _skip_without_launch()
     from distributed_launch import WORKER, last_json
 
     args = [WORKER, "follow", tiny_folder, tmp_path / "home", 16, 6, "tell me a story"]
     one = last_json(launch(1, args, timeout=120))
     two = last_json(launch(2, args, timeout=240))
-    assert len(one["tokens"]) == 2 and two["tokens"] == one["tokens"]
+    assert len(one["tokens"]) == 3 and two["tokens"] == one["tokens"]
+    assert one["tokens"][2] == one["tokens"][0]  # the batch's second request is the first turn again
     assert [r["sharding"]["kind"] for r in two["ranks"]] == ["tensor", "tensor"]
