@@ -78,3 +78,34 @@ def test_followers_run_what_rank_0_leads(tiny_folder, tmp_path):
     assert len(one["tokens"]) == 3 and two["tokens"] == one["tokens"]
     assert one["tokens"][2] == one["tokens"][0]  # the batch's second request is the first turn again
     assert [r["sharding"]["kind"] for r in two["ranks"]] == ["tensor", "tensor"]
+
+
+def _session_chat(folder, name, prompt):
+    return ["-m", "justfit", "chat", "--model", str(folder), "--session", name, "--prompt", prompt,
+            "--max-tokens", "6", "--kv-bits", "16"]
+
+
+@pytest.mark.slow  # ~2 min on 2 cores: three 2-rank launches and two single processes
+def test_chat_session_world_manifest(tiny_folder, tmp_path):
+    """`chat --session` under mlx.launch: resumes on 2 ranks, refused on 1 (exit 2, one line); a 1-rank
+    session is refused on 2 ranks (every rank exits 2, none left waiting)."""
+    _skip_without_launch()
+    home = tmp_path / "h"
+    first = launch(2, _session_chat(tiny_folder, "w1", "hello there"), timeout=240, JUSTFIT_HOME=home)
+    assert first.returncode == 0 and first.stdout.strip(), first.stderr[-2000:]
+    assert (home / "sessions" / "world" / "w1.json").exists()
+    again = launch(2, _session_chat(tiny_folder, "w1", "and once more"), timeout=240, JUSTFIT_HOME=home)
+    assert again.returncode == 0 and "[session 'w1': 2 earlier messages" in again.stderr, again.stderr[-2000:]
+    assert "exited with code" not in again.stderr
+
+    one = launch(1, _session_chat(tiny_folder, "w1", "alone"), timeout=120, JUSTFIT_HOME=home)
+    assert one.returncode == 2
+    assert one.stderr.strip().splitlines() == [
+        "justfit: error: session 'w1' was checkpointed by 2 ranks (tensor parallel); this run has 1; resume it "
+        "with `mlx.launch -n 2` (re-sharding pages is not supported)"], one.stderr
+
+    plain = launch(1, _session_chat(tiny_folder, "p1", "hello"), timeout=120, JUSTFIT_HOME=home)
+    assert plain.returncode == 0, plain.stderr
+    refused = launch(2, _session_chat(tiny_folder, "p1", "hello"), timeout=240, JUSTFIT_HOME=home)
+    assert "session 'p1' was checkpointed by 1 rank; this run has 2 ranks" in refused.stderr, refused.stderr[-2000:]
+    assert "rank 0 exited with code 2" in refused.stderr and "rank 1 exited with code 2" in refused.stderr
