@@ -177,7 +177,11 @@ def serve(
     kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Bytes, '4GB', or a fraction/percent of RAM."),
 ):
-    """Serve the model over the OpenAI HTTP API (chat and text completions, tools, JSON output, sessions)."""
+    """Serve the model over the OpenAI HTTP API (chat and text completions, tools, JSON output, sessions).
+
+    Under `mlx.launch -n N`, rank 0 serves and the other ranks mirror each request, one at a time
+    (tools, JSON output, sessions and --idle-release are single-process only; docs/distributed.md).
+    """
     from .config import KVConfig
     from .phaseswap import parse_budget
     from .runtime import Runtime
