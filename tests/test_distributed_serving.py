@@ -36,6 +36,12 @@ def test_leader_and_serial_engine_give_the_runtime_s_tokens(tmp_path_factory):
     reqs[2].cancel()  # queued, never started
     assert [g.tokens for g in leader.batch_engine().run(reqs[:2])] == want
     assert reqs[2].done and leader.batch_engine().report()["queued"] == 0
+    first = leader.stream("hello there", max_tokens=6)
+    next(first)
+    with pytest.raises(RuntimeError, match="one at a time"):  # never a silent deadlock of the thread
+        next(leader.stream("the river bank", max_tokens=6))
+    first.close()
+    assert leader.generate("the river bank", max_tokens=6).tokens == want[1]
     with pytest.raises(UserError, match="prompt_cache_key"):
         leader.session("s")
     assert leader.stop() is None

@@ -123,7 +123,9 @@ class Leader:
     def _turn(self, turn: dict):
         if self.lost:
             raise RuntimeError(self.lost)
-        with self._turn_lock:
+        if not self._turn_lock.acquire(blocking=False):  # waiting here would deadlock the calling thread
+            raise RuntimeError("another mirrored turn is in progress: under mlx.launch turns run one at a time")
+        try:
             self._send(turn)
             gen = self.rt.stream(turn["tokens"], **_stream_kwargs(turn))
             try:
@@ -138,6 +140,8 @@ class Leader:
                 gen.close()
                 if not self.lost:
                     self._go(False)
+        finally:
+            self._turn_lock.release()
 
     def _send(self, msg: dict):
         try:
