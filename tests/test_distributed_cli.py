@@ -88,7 +88,7 @@ def _session_chat(folder, name, prompt):
 @pytest.mark.slow  # ~2 min on 2 cores: three 2-rank launches and two single processes
 def test_chat_session_world_manifest(tiny_folder, tmp_path):
     """`chat --session` under mlx.launch: resumes on 2 ranks, refused on 1 (exit 2, one line); a 1-rank
-    session is refused on 2 ranks (every rank exits 2, none left waiting)."""
+    session is refused on 2 ranks (every rank refuses, none is left waiting)."""
     _skip_without_launch()
     home = tmp_path / "h"
     first = launch(2, _session_chat(tiny_folder, "w1", "hello there"), timeout=240, JUSTFIT_HOME=home)
@@ -108,4 +108,6 @@ def test_chat_session_world_manifest(tiny_folder, tmp_path):
     assert plain.returncode == 0, plain.stderr
     refused = launch(2, _session_chat(tiny_folder, "p1", "hello"), timeout=240, JUSTFIT_HOME=home)
     assert "session 'p1' was checkpointed by 1 rank; this run has 2 ranks" in refused.stderr, refused.stderr[-2000:]
-    assert "rank 0 exited with code 2" in refused.stderr and "rank 1 exited with code 2" in refused.stderr
+    # rank 1 refuses at the same point; mlx.launch may SIGTERM it first, once rank 0 has exited
+    assert "rank 0 exited with code 2" in refused.stderr
+    assert any(f"rank 1 exited with code {c}" in refused.stderr for c in (2, -15)), refused.stderr[-2000:]
