@@ -177,17 +177,34 @@ def serve(
     kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Bytes, '4GB', or a fraction/percent of RAM."),
 ):
-    """Serve the model over the OpenAI HTTP API (chat and text completions, tools, JSON output, sessions)."""
+    """Serve the model over the OpenAI HTTP API (chat and text completions, tools, JSON output, sessions).
+
+    Under `mlx.launch -n N`, rank 0 serves and the other ranks mirror each request, one at a time
+    (tools, JSON output, sessions and --idle-release are single-process only; docs/distributed.md).
+    """
     from .config import KVConfig
     from .phaseswap import parse_budget
     from .runtime import Runtime
     from .server.app import check_bind, serve as run_server
 
+    from .distributed import launched
+
     check_bind(host, api_key)
+    if launched() and idle_release:  # distributed hook (issue 17)
+        raise UserError("--idle-release is not supported under mlx.launch yet (the ranks would release at different times)")
     fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
     rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget))
-    run_server(rt, host, port, api_key=api_key, cors=cors, persist=persist, idle_release=idle_release,
-               max_queue=max_queue, max_body=max_body)
+    options = dict(api_key=api_key, cors=cors, persist=persist, idle_release=idle_release, max_queue=max_queue,
+                   max_body=max_body)
+    if rt.sharding.world_size > 1:  # distributed hook (issue 17): rank 0 serves, the others follow its turns
+        from .distributed.serving import run_front
+
+        why = run_front(rt, lambda front: run_server(front, host, port, **options))
+        if why:  # a turn may still be stuck inside MLX waiting for the dead rank: exit now
+            typer.echo(f"justfit: error: {why}", err=True)
+            os._exit(1)
+        return
+    run_server(rt, host, port, **options)
 
 
 @models_app.command("list")

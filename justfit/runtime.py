@@ -78,11 +78,12 @@ class Runtime:
     def session(self, name: Optional[str], **options):
         """Create or resume the named StateTrans session (persisted under JUSTFIT_HOME/sessions);
         name=None gives an in-memory session (shares pages the same way, writes nothing)."""
+        from .distributed.sessions import open_session
         from .statetrans.session import Session
 
         if name is None:
             return Session(self, None, persist=False, **options)
-        return Session.open(self, name, **options)
+        return open_session(self, name, **options)  # distributed hook (issue 17): checks the world manifest
 
     # -- residency (PhaseSwap) ----------------------------------------------------------------
     def residency(self) -> dict:

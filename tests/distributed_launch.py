@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -35,3 +36,32 @@ def last_json(r: subprocess.CompletedProcess) -> dict:
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     assert r.returncode == 0 and len(lines) == 1, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
     return json.loads(lines[0])
+
+
+def rank_process(parent, rank: str, deadline: float):
+    """The python process of `rank` among `parent`'s descendants (psutil.Process), None by the deadline."""
+    import psutil
+
+    while time.time() < deadline:
+        for p in parent.children(recursive=True):
+            try:
+                if p.environ().get("MLX_RANK") == rank and "python" in p.name():
+                    return p
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.2)
+    return None
+
+
+def sharp_tiny_folder(src: Path, dst: Path, scale: float = 6.0) -> Path:
+    """A copy of a tiny converted model folder with its matrices scaled up: the converted tiny GGUF
+    (std 0.5/sqrt(d)) repeats one token, which would make token-equality tests unable to fail."""
+    import shutil
+
+    import mlx.core as mx
+
+    if not dst.exists():
+        shutil.copytree(src, dst)
+        w = mx.load(str(dst / "model.safetensors"))
+        mx.save_safetensors(str(dst / "model.safetensors"), {k: v * scale if v.ndim == 2 else v for k, v in w.items()})
+    return dst

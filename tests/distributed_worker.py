@@ -3,7 +3,8 @@
   distributed_worker.py raw KV_HEADS N KINDS           tiny random llama + justfit.make_cache, greedy
   distributed_worker.py runtime MODEL HOME BITS N PROMPT   justfit.Runtime(...).generate
   distributed_worker.py session MODEL HOME BITS N PROMPT NAME   a distributed session turn + checkpoint
-  distributed_worker.py follow MODEL HOME BITS N PROMPT     rank 0 leads two requests, the others follow
+  distributed_worker.py follow MODEL HOME BITS N PROMPT     rank 0 leads a turn and a batch (serving.py), the others follow
+  distributed_worker.py toolphase MODEL HOME BITS N PROMPT BUDGET   a turn, a tool phase, a turn (memory budget)
 Rank 0 prints one JSON line: tokens, and every rank's sharding and KV bytes.
 """
 
@@ -65,18 +66,16 @@ def runtime(folder, home, bits, n, prompt, session=None):
     rt = justfit.Runtime(model=folder, kv=justfit.KVConfig(bits=int(bits), page_size=32, quantized_kv_start=0),
                          home=home, drafter="none")
     extra = {}
-    if session == "-follow":  # rank 0 decides two requests, the follower receives them (the server's way)
-        from justfit.distributed.follow import follow, lead, lead_stop
+    if session == "-follow":  # rank 0 leads a turn and a batch of two, the follower mirrors (the server's way)
+        from justfit.distributed.serving import Leader, follow_turns
 
         if not world().is_front:
-            follow(rt)
+            follow_turns(rt)
             return rt.sharding, rt.index.pool.nbytes, [], {}
-        outs = []
-        for text in (prompt, prompt + " again"):
-            tokens = rt.encode(text)
-            lead(tokens, int(n))
-            outs.append(rt.generate(tokens, max_tokens=int(n)).tokens)
-        lead_stop()
+        leader = Leader(rt)
+        outs = [leader.generate(prompt, max_tokens=int(n)).tokens]
+        outs += [g.tokens for g in leader.generate_batch([prompt + " again", prompt], max_tokens=int(n))]
+        leader.stop()
         return rt.sharding, rt.index.pool.nbytes, outs, {}
     if session:
         from justfit.distributed.sessions import open_session
@@ -90,16 +89,36 @@ def runtime(folder, home, bits, n, prompt, session=None):
     return rt.sharding, rt.index.pool.nbytes, g.tokens, extra
 
 
+def toolphase(folder, home, bits, n, prompt, budget):
+    """PhaseSwap per rank: each rank's budget, a tool phase that releases this rank's weights, then turns."""
+    import justfit
+
+    rt = justfit.Runtime(model=folder, kv=justfit.KVConfig(bits=int(bits), page_size=32, quantized_kv_start=0),
+                         home=home, drafter="none", memory_budget=budget)
+    before = rt.generate(prompt, max_tokens=int(n)).tokens
+    with rt.tool_phase() as released:
+        weights = {c["kind"]: 0 for c in rt.residency()["components"]}
+        for c in rt.residency()["components"]:
+            weights[c["kind"]] += c["bytes"] if c["resident"] else 0
+    after = rt.generate(prompt, max_tokens=int(n)).tokens
+    later = rt.generate(prompt + " and then", max_tokens=int(n)).tokens
+    extra = {"released": released, "resident_in_tool_phase": weights, "budget": rt.residency()["budget_bytes"]}
+    return rt.sharding, rt.index.pool.nbytes, [before, after, later], extra
+
+
 def main(argv):
     from justfit.distributed import gather_strings, world
 
     mode, rest = argv[0], argv[1:]
     if mode == "raw":
         sharding, kv_bytes, tokens, extra = raw(*rest)
+    elif mode == "toolphase":
+        sharding, kv_bytes, tokens, extra = toolphase(*rest)
     else:
         sharding, kv_bytes, tokens, extra = runtime(*rest[:5], session={"session": rest[5:6] and rest[5], "follow": "-follow"}.get(mode))
     sharding = sharding if isinstance(sharding, dict) else sharding.as_dict()
-    mine = json.dumps({"rank": world().rank, "sharding": sharding, "kv_bytes": kv_bytes, "tokens": tokens})
+    mine = json.dumps({"rank": world().rank, "sharding": sharding, "kv_bytes": kv_bytes, "tokens": tokens,
+                       **({"released": extra["released"]} if "released" in extra else {})})
     ranks = [json.loads(r) for r in gather_strings(mine)]
     if world().is_front:
         print(json.dumps({"tokens": tokens, "ranks": ranks, **extra}), flush=True)

@@ -4,7 +4,8 @@ Rank r of N keeps a plain StateTrans session named `<name>.<tag>` (tag e.g. `tp2
 its own shard's pages (its fingerprint is the shard's, so the store keeps them apart). After each
 checkpoint the ranks gather their page hashes with a collective and rank 0 writes
 `$JUSTFIT_HOME/sessions/world/<name>.json` (WORLD.md, next to this file): world size, sharding, every rank's page hashes.
-Opening a session checks that manifest first and refuses another world size or sharding in one line.
+Opening a session (`Runtime.session`, so chat, agents and the API alike) checks that manifest first, on
+rank 0, and refuses another world size or sharding in one line on every rank, 1-rank runs included.
 """
 
 import hashlib
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import UserError
-from .world import World, gather_strings, world
+from .world import World, broadcast_json, gather_strings, world
 
 WORLD_FORMAT = "justfit-world-session"
 WORLD_VERSION = 1
@@ -83,13 +84,23 @@ def check_world(home, name: str, sharding) -> Optional[dict]:
 
 
 class WorldSession:
-    """A StateTrans session of this rank plus the world manifest; generate/stream/checkpoint/close."""
+    """This rank's StateTrans session (`<name>.<tag>`) plus the world manifest. It has the Session API
+    (attributes not defined here are the rank session's); checkpoint and close also update the manifest."""
 
-    def __init__(self, rt, name: str, w: Optional[World] = None):
+    def __init__(self, rt, name: str, w: Optional[World] = None, **options):
+        from ..statetrans.session import Session
+
         self.rt, self.name, self.world = rt, name, w or world()
-        check_world(rt.home, name, rt.sharding)
-        self.session = rt.session(rank_session_name(name, rt.sharding))
-        self._check_restored()
+        self.session = Session.open(rt, rank_session_name(name, rt.sharding), **options)
+        try:
+            self._check_restored()
+            self._publish()  # the manifest exists from the first turn on, not only after a clean close
+        except BaseException:
+            self.session.close()
+            raise
+
+    def __getattr__(self, attr):  # tokens, messages, kv_tokens, last_stats, rewind, generate, stream ...
+        return getattr(self.session, attr)
 
     def _check_restored(self):
         """Every rank must hold the same number of restored tokens, or the ranks' steps would differ."""
@@ -98,35 +109,47 @@ class WorldSession:
             raise UserError(f"session {self.name!r}: ranks restored different amounts of KV ({have} tokens); "
                             "a rank's pages are missing or damaged; remove the session or restore its files")
 
-    @property
-    def tokens(self):
-        return self.session.tokens
-
-    def generate(self, prompt, **kw):
-        return self.session.generate(prompt, **kw)
-
-    def stream(self, prompt, **kw):
-        return self.session.stream(prompt, **kw)
-
-    def checkpoint(self) -> dict:
-        """Checkpoint this rank's pages, gather every rank's page hashes, rank 0 writes the world manifest."""
+    def _publish(self):
+        """Gather every rank's page hashes; rank 0 writes the world manifest."""
         from ..statetrans.manifest import read_manifest
 
-        out = self.session.checkpoint()
         own = self.session.name
         m = read_manifest(self.rt.home, own)
         mine = {"rank": self.world.rank, "session": own, "model_fingerprint": m.model_fingerprint if m else None,
                 "tokens": len(self.session.tokens), "pages": [p["hash"] for p in (m.pages if m else [])]}
         ranks = [json.loads(r) for r in gather_strings(json.dumps(mine), self.world)]
-        if self.world.is_front and self.rt.sharding.world_size > 1:
+        if self.world.is_front:
             write_world_manifest(self.rt.home, self.name, self.rt.sharding, ranks)
+
+    def checkpoint(self, *args, **kwargs):
+        """Checkpoint this rank's pages, then update the world manifest (a collective: every rank calls it)."""
+        out = self.session.checkpoint(*args, **kwargs)
+        self._publish()
         return out
 
     def close(self):
+        if self.session.closed:
+            return
         self.checkpoint()
         self.session.close()
 
 
-def open_session(rt, name: str) -> WorldSession:
-    """Create or resume session `name` on every rank of the launched world (a plain one on one rank)."""
-    return WorldSession(rt, name)
+def open_session(rt, name: str, **options):
+    """Create or resume session `name`. Rank 0 checks the world manifest and every rank gets its verdict
+    (a one-line UserError on all ranks, so none is left waiting). One rank: a plain StateTrans Session;
+    N ranks: a WorldSession."""
+    from ..statetrans.session import Session
+
+    w = world()
+    verdict = ""
+    if w.is_front:  # on two Macs only rank 0's home holds the world manifest
+        try:
+            check_world(rt.home, name, rt.sharding)
+        except UserError as e:
+            verdict = str(e)
+    verdict = broadcast_json(verdict, w)
+    if verdict:
+        raise UserError(verdict)
+    if rt.sharding.world_size == 1:
+        return Session.open(rt, name, **options)
+    return WorldSession(rt, name, w, **options)

@@ -67,6 +67,15 @@ def broadcast_ints(values: Optional[Sequence[int]], w: Optional[World] = None) -
     return out.tolist()[:n]
 
 
+def broadcast_json(obj, w: Optional[World] = None):
+    """Rank 0's JSON-able object on every rank (others pass anything): its UTF-8 bytes as ints."""
+    import json
+
+    w = w or world()
+    data = json.dumps(obj).encode() if w.is_front else b""
+    return json.loads(bytes(broadcast_ints(list(data), w)).decode())
+
+
 def broadcast_seed(w: Optional[World] = None) -> int:
     """A seed drawn on rank 0 and set on every rank's MLX PRNG, so unseeded sampling agrees."""
     import mlx.core as mx
