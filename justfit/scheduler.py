@@ -37,6 +37,7 @@ class Request:
         self.out: List[int] = []  # generated tokens
         self.caches: Optional[list] = None  # per-layer paged caches while admitted
         self.cached = 0  # feed[:cached] is in the caches
+        self.high = 0  # the most tokens the caches ever held (before a preemption)
         self.state, self.finish_reason = QUEUED, None
         self.chunks: deque = deque()
         self.text: List[str] = []
@@ -183,9 +184,10 @@ class Engine:
             ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
             logits = forward(self.model, segs, ids)
             for r, n in plan:
-                if n > 1 or not r.out:
-                    r.stats.prefilled_tokens += n
+                first_time = max(0, r.cached + n - max(len(r.prompt), r.high, r.cached))  # generated ids fed once
+                r.stats.prefilled_tokens += n - first_time  # prompt rows and recomputed rows, not decode rows
                 r.cached += n
+                r.high = max(r.high, r.cached)
             mx.eval(logits, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
             self.steps += 1
             now = time.perf_counter()
@@ -243,6 +245,7 @@ class Engine:
         self._spec_stats(r)
         self.steps += 1
         start, r.cached = r.cached, r.cached + len(out)
+        r.high = max(r.high, r.cached)
         self._publish_sealed(r, start)
         now = time.perf_counter()
         for t in out[1:] + ([pending] if pending is not None and out else []):
@@ -302,13 +305,16 @@ class Engine:
             return True
         if c is not None:
             forced = c.forced()[: r.max_tokens - len(r.out)]
-            for t in forced:
-                c.advance(t)
+            for t in forced:  # forced() already moved the grammar past them
                 r.out.append(t)
                 r.feed.append(t)
                 r._detok.add_token(t)
                 r._emit(r._stops.feed(r._detok.last_segment), t)
             r.stats.forced_tokens += len(forced)
+            r.stats.generated_tokens = len(r.out)
+            if forced and (c.done or len(r.out) >= r.max_tokens):  # as generation.py: nothing left to sample
+                self._finish(r, "stop" if c.done else "length")
+                return True
         return False
 
     def _finish(self, r: Request, reason: str, publish: bool = True):
