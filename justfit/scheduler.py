@@ -110,6 +110,7 @@ class Engine:
         self._ids = itertools.count()
         self.page_bytes = _page_bytes(model, kv) if kv is not None else None
         self._executor = None
+        self._stacks: dict = {}  # batched decode: stacked sealed pages reused across steps (kvexec/batch.py)
         self.pool = index.pool if index is not None else None  # set from the first cache otherwise
 
     # -- requests ----------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ class Engine:
             if self.residency is not None:
                 self.residency.enter("decode")
             t0 = time.perf_counter()
-            segs = BatchPlan([(r.caches, n) for r, n in plan])
+            segs = BatchPlan([(r.caches, n) for r, n in plan], self._stacks)
             ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
             logits = forward(self.model, segs, ids)
             for r, n in plan:
@@ -320,6 +321,8 @@ class Engine:
     def _finish(self, r: Request, reason: str, publish: bool = True):
         if r in self.running:
             self.running.remove(r)
+        if not self.running:
+            self._stacks.clear()  # nothing decodes now: give the stacked copies back
         if r.caches is not None:
             seq = r.caches[0].seq
             if publish and self.index is not None:
@@ -416,6 +419,7 @@ class Engine:
                 except OSError:
                     pass  # stays in memory only; if evicted there, its tokens are recomputed
         seq.release()
+        self._stacks.clear()  # memory is short: stacked copies of sealed pages go too
         r.caches, r.cached, r.state = None, 0, QUEUED
         r.preemptions += 1
         self.preempted += 1
