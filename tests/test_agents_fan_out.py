@@ -70,3 +70,22 @@ def test_fan_out_with_sampling_runs_and_releases(tiny):
     assert all(s.call is not None for r in results for s in r.steps)  # the grammar held inside the batch
     parent.close()
     assert tiny.index.sequence_refs() == before
+
+
+def test_an_error_in_one_sub_agent_cancels_the_others(tiny):
+    before = tiny.index.sequence_refs()
+    parent = Agent(tiny, tools=[lookup], tool_choice={"name": "lookup"}, max_steps=1, max_string=8)
+    parent.run("Find key 9.")
+    calls = []
+
+    def stop(step):
+        calls.append(step)
+        if len(calls) == 2:
+            raise RuntimeError("boom")  # a second sub-agent fails while the first has a turn queued
+        return False
+
+    with pytest.raises(RuntimeError, match="boom"):
+        parent.fan_out(["a", "b", "c"], max_steps=3, tool_choice={"name": "lookup"}, stop=stop, max_tokens=200)
+    assert tiny.batch_engine().idle()  # the other sub-agents' turns were cancelled, not left queued
+    parent.close()
+    assert tiny.index.sequence_refs() == before

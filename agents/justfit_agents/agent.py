@@ -295,24 +295,28 @@ def _run_together(loops) -> List[Result]:
     iterating any unfinished request steps the engine for all of them."""
     results: List[Optional[Result]] = [None] * len(loops)
     replies, requests, live = [None] * len(loops), {}, set(range(len(loops)))
-    while live:
-        for i in sorted(live - set(requests)):
-            agent, loop = loops[i]
-            try:
-                item = loop.send(replies[i])
-                while isinstance(item, Event):
-                    results[i] = item.result if item.kind == "done" else results[i]
-                    item = loop.send(None)
-            except StopIteration:
-                live.discard(i)
-                continue
-            requests[i] = agent.state.submit(*item)
-        if requests:
-            next(iter(next(r for r in requests.values() if not r.done)), None)  # one engine step or more
-        for i, req in list(requests.items()):
-            if req.done:
-                replies[i] = loops[i][0].state.finish(req)
-                del requests[i]
+    try:
+        while live:
+            for i in sorted(live - set(requests)):
+                agent, loop = loops[i]
+                try:
+                    item = loop.send(replies[i])
+                    while isinstance(item, Event):
+                        results[i] = item.result if item.kind == "done" else results[i]
+                        item = loop.send(None)
+                except StopIteration:
+                    live.discard(i)
+                    continue
+                requests[i] = agent.state.submit(*item)
+            if requests:
+                next(iter(next(r for r in requests.values() if not r.done)), None)  # one engine step or more
+            for i, req in list(requests.items()):
+                if req.done:
+                    replies[i] = loops[i][0].state.finish(req)
+                    del requests[i]
+    finally:
+        for req in requests.values():  # an error in one sub-agent: the others' turns stop, pages freed
+            req.cancel()
     return results
 
 
