@@ -1,5 +1,6 @@
-"""Sub-agent fan-out: three sub-agents run one after another from the same fork point of a files
-agent; none of them prefills the shared prompt again, and their answers return to the parent."""
+"""Sub-agent fan-out: three sub-agents run as one batch (their turns decoded together by the runtime's
+batching engine) from the same fork point of a files agent; none of them prefills the shared prompt
+again, and their answers return to the parent."""
 import tempfile
 from pathlib import Path
 

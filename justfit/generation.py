@@ -187,14 +187,14 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
             if spec:
                 if not known:
                     drafter.extend([tok])
-                known, k = False, 0
-                if not force_plain and (gate is None or gate.open()):
-                    room = min(gate.k if gate else 4, max_tokens - n - 1)
-                    k = min(room, _max_draft(cache, room))
-                drafts = drafter.propose(k) if k >= 1 else []
-                if drafts:
-                    out, pending, force_plain, known = yield from _verify(model, cache, tok, drafts, stop, gate,
-                                                                          counts, enter, drafter)
+                known = False
+                res = None if force_plain else speculate(model, cache, tok, drafter, gate, max_tokens - n - 1,
+                                                         stop, counts, enter)
+                if res is not None:
+                    out, pending, force_plain = res
+                    known = force_plain
+                    for t in out:
+                        yield t
                     n += len(out)
                     if pending is None:
                         return
@@ -230,11 +230,27 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
                 mx.clear_cache()
 
 
+def speculate(model, cache, tok: int, drafter, gate, room: int, stop, counts: dict, enter=_noop_enter):
+    """One draft+verify pass after `tok` (the pending token, not yet in `cache`) for plain greedy decoding,
+    if the gate is open and the drafter proposes: (tokens now in the cache, `tok` first; the next pending
+    token, None after a stop id; whether the next step must be plain) or None when no pass ran. `room`
+    bounds the drafts; drafter.hist must end with tok. The single-sequence loop and the batching engine's
+    lone-request mode both call this."""
+    if gate is not None and not gate.open():
+        return None
+    room = min(gate.k if gate else 4, room)
+    k = min(room, _max_draft(cache, room))
+    drafts = drafter.propose(k) if k >= 1 else []
+    if not drafts:
+        return None
+    return _verify(model, cache, tok, drafts, stop, gate, counts, enter, drafter)
+
+
 def _verify(model, cache, tok: int, drafts: List[int], stop, gate, counts, enter, drafter):
-    """One pass over [tok, d1..dk]: yield tok and the accepted drafts, trim the rest. Returns (yielded
-    tokens, next pending token or None after a stop token, next step plain?, pending already in history?).
-    A position whose top-2 log-probabilities are closer than TIE_EPS is recomputed by a plain step, so
-    batched-GEMM rounding can never flip a greedy choice."""
+    """One pass over [tok, d1..dk]: keep tok and the accepted drafts in the cache, trim the rest. Returns
+    (kept tokens, next pending token or None after a stop token, next step plain?). A position whose
+    top-2 log-probabilities are closer than TIE_EPS is recomputed by a plain step, so batched-GEMM
+    rounding can never flip a greedy choice (then the pending token is already in drafter.hist)."""
     import mlx.core as mx
 
     t0 = time.perf_counter()
@@ -260,22 +276,20 @@ def _verify(model, cache, tok: int, drafts: List[int], stop, gate, counts, enter
         stopped = drafts[j] in stop
     out = [tok] + drafts[:accepted]
     drafter.extend(drafts[:accepted])
-    counts["draft_passes"] += 1
-    counts["drafted_tokens"] += k
+    counts["draft_passes"] = counts.get("draft_passes", 0) + 1
+    counts["drafted_tokens"] = counts.get("drafted_tokens", 0) + k
     if tie and accepted == 0:  # nothing new decided: rewind the whole pass, redo tok plainly
         for c in cache:
             c.trim(k + 1)
-        return [], tok, True, True
+        return [], tok, True
     if tie:
         pending, out = out[-1], out[:-1]  # the last accepted draft becomes pending (unfed)
     for c in cache:
         c.trim(k + 1 - len(out))
-    counts["accepted_tokens"] += len(out) - 1
+    counts["accepted_tokens"] = counts.get("accepted_tokens", 0) + len(out) - 1
     if gate is not None:
         gate.spec(time.perf_counter() - t0, k, len(out) - 1)
-    for t in out:
-        yield t
-    return out, (None if stopped else pending), tie, tie
+    return out, (None if stopped else pending), tie
 
 
 class StopText:

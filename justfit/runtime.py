@@ -115,6 +115,8 @@ class Runtime:
         if name not in ("none", "prompt-lookup"):
             raise UserError(f"drafter must be 'none' or 'prompt-lookup', not {name!r}")
         self.drafter, self.gate = (PromptLookup() if name == "prompt-lookup" else None), Gate()
+        if self.scheduler is not None:  # a lone batched request drafts with the same drafter
+            self.scheduler.set_drafter(self.drafter, self.gate)
 
     # -- generation ---------------------------------------------------------------------------
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
@@ -162,7 +164,8 @@ class Runtime:
     def batch_engine(self, kv_budget_bytes: Optional[int] = None, **options):
         """The continuous-batching engine (scheduler.Engine) over this runtime's model and page pool,
         made on first use; kv_budget_bytes bounds its KV pages (default: the memory budget less the
-        weights). Options (step_tokens, max_batch) apply when it is made."""
+        weights). Options (step_tokens, max_batch) apply when it is made. A request running alone decodes
+        speculatively with this runtime's drafter; several run as plain batched decodes."""
         if self.scheduler is None:
             from mlx.utils import tree_flatten
 
@@ -172,7 +175,8 @@ class Runtime:
                 weights = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
                 kv_budget_bytes = max(1, self.memory_budget - weights)
             self.scheduler = Engine(self.model, self.tokenizer, self.make_cache, index=self.index, kv=self.kv,
-                                    budget_bytes=kv_budget_bytes, residency=self.phaseswap, **options)
+                                    budget_bytes=kv_budget_bytes, residency=self.phaseswap, drafter=self.drafter,
+                                    gate=self.gate, **options)
         return self.scheduler
 
     def submit(self, prompt: Prompt, max_tokens: int = 256, **sampling):

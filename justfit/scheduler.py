@@ -37,6 +37,7 @@ class Request:
         self.out: List[int] = []  # generated tokens
         self.caches: Optional[list] = None  # per-layer paged caches while admitted
         self.cached = 0  # feed[:cached] is in the caches
+        self.high = 0  # the most tokens the caches ever held (before a preemption)
         self.state, self.finish_reason = QUEUED, None
         self.chunks: deque = deque()
         self.text: List[str] = []
@@ -44,6 +45,8 @@ class Request:
         self.submitted = self.admitted = time.perf_counter()
         self.token_times: List[float] = []
         self.preemptions = 0
+        self.force_plain = False  # a verify pass hit a near-tie: the next decode is a plain step
+        self.counts: dict = {}  # speculative passes: draft_passes, drafted_tokens, accepted_tokens
         self.restored_tokens = 0  # after preemptions: tokens whose pages came back instead of recomputed
         self._detok = engine.tokenizer.detokenizer
         self._stops = StopText(sampling.stop)
@@ -88,8 +91,11 @@ class Engine:
 
     def __init__(self, model, tokenizer, make_cache: Callable[[], list], index=None, kv=None,
                  budget_bytes: Optional[int] = None, step_tokens: int = STEP_TOKENS, max_batch: int = MAX_BATCH,
-                 context: Optional[int] = None, residency=None, eos: Optional[set] = None):
+                 context: Optional[int] = None, residency=None, eos: Optional[set] = None, drafter=None,
+                 gate=None):
         self.model, self.tokenizer, self.make_cache, self.index = model, tokenizer, make_cache, index
+        self.drafter, self.gate = drafter, gate  # a lone plain-greedy request decodes speculatively
+        self.counts = {"draft_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0}
         self.kv, self.budget_bytes = kv, budget_bytes
         self.step_tokens, self.max_batch, self.residency = step_tokens, max_batch, residency
         args = getattr(model, "args", None)
@@ -104,6 +110,7 @@ class Engine:
         self._ids = itertools.count()
         self.page_bytes = _page_bytes(model, kv) if kv is not None else None
         self._executor = None
+        self._stacks: dict = {}  # batched decode: stacked sealed pages reused across steps (kvexec/batch.py)
         self.pool = index.pool if index is not None else None  # set from the first cache otherwise
 
     # -- requests ----------------------------------------------------------------------------------
@@ -135,6 +142,11 @@ class Engine:
                 self.queue.remove(req)
             self._finish(req, "cancelled", publish=False)
 
+    def set_drafter(self, drafter, gate=None):
+        """Drafter (and its gate) for the lone-request speculative mode; None turns it off."""
+        with self.lock:
+            self.drafter, self.gate = drafter, gate
+
     def executor(self):
         """The single worker thread async callers step the engine on (all of their MLX work on one thread)."""
         if self._executor is None:
@@ -160,29 +172,94 @@ class Engine:
 
         with self.lock:
             self._admit()
+            lone = self._lone_speculative()
+            if lone is not None and self._speculate(lone):
+                return 1
             plan = self._assemble()
             if not plan:
                 return 0
             if self.residency is not None:
                 self.residency.enter("decode")
-            segs = BatchPlan([(r.caches, n) for r, n in plan])
+            t0 = time.perf_counter()
+            segs = BatchPlan([(r.caches, n) for r, n in plan], self._stacks)
             ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
             logits = forward(self.model, segs, ids)
             for r, n in plan:
-                if n > 1 or not r.out:
-                    r.stats.prefilled_tokens += n
+                first_time = max(0, r.cached + n - max(len(r.prompt), r.high, r.cached))  # generated ids fed once
+                r.stats.prefilled_tokens += n - first_time  # prompt rows and recomputed rows, not decode rows
                 r.cached += n
+                r.high = max(r.high, r.cached)
             mx.eval(logits, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
             self.steps += 1
             now = time.perf_counter()
             greedy = mx.argmax(logits, axis=-1).tolist()  # one evaluation for every plain greedy row
+            if lone is not None and self.gate is not None and plan == [(lone, 1)]:
+                self.gate.plain(time.perf_counter() - t0)  # what a plain step costs, for the drafting gate
             for j, (r, n) in enumerate(plan):
-                P = r.caches[0].seq.page_size
-                if self.index is not None and (r.cached - n) // P < r.cached // P:  # followers attach them now
-                    self.index.publish(r.caches[0].seq, r.feed[:r.cached // P * P])  # sealed pages only
+                self._publish_sealed(r, r.cached - n)
                 if r.cached == len(r.feed):
-                    self._advance(r, logits[j], greedy[j], now)
+                    self._take(r, self._choose(r, logits[j], greedy[j]), now)
             return len(ids)
+
+    def _publish_sealed(self, r: Request, before: int):
+        """Index pages r sealed since it held `before` tokens, so followers attach them now."""
+        if self.index is None or r.caches is None:
+            return
+        P = r.caches[0].seq.page_size
+        if before // P < r.cached // P:
+            self.index.publish(r.caches[0].seq, r.feed[:r.cached // P * P])  # sealed pages only
+
+    # -- speculative decoding of a lone request --------------------------------------------------
+    def _lone_speculative(self) -> Optional[Request]:
+        """The request to decode speculatively: the only one running, decoding, plain greedy (else None)."""
+        if self.drafter is None or len(self.running) != 1:
+            return None
+        r = self.running[0]
+        if len(r.feed) - r.cached != 1 or not r.out or not r.sampling.plain_greedy:
+            return None
+        return r
+
+    def _speculate(self, r: Request) -> bool:
+        """Draft after r's pending token and verify the drafts in one pass over r's own pages (generation's
+        `speculate`; rejected drafts are trimmed from those pages, nothing moves). False: run a plain step."""
+        from .generation import speculate
+
+        if r.force_plain:
+            r.force_plain = False
+            return False
+        room = r.max_tokens - len(r.out)
+        if room < 1 or not self._fits(self._grow_bytes(r, min(room, 8) + 1)):
+            return False
+        h = self.drafter.hist
+        if h and len(h) <= len(r.feed) and r.feed[:len(h)] == h:
+            self.drafter.extend(r.feed[len(h):])
+        else:
+            self.drafter.reset(list(r.feed))
+        enter = self.residency.enter if self.residency is not None else _no_phase
+        before = dict(r.counts)
+        res = speculate(self.model, r.caches, r.feed[-1], self.drafter, self.gate, room, self.eos, r.counts, enter)
+        if res is None:
+            return False
+        out, pending, r.force_plain = res
+        for key in self.counts:
+            self.counts[key] += r.counts.get(key, 0) - before.get(key, 0)
+        self._spec_stats(r)
+        self.steps += 1
+        start, r.cached = r.cached, r.cached + len(out)
+        r.high = max(r.high, r.cached)
+        self._publish_sealed(r, start)
+        now = time.perf_counter()
+        for t in out[1:] + ([pending] if pending is not None and out else []):
+            if self._take(r, t, now):
+                break
+        return True
+
+    def _spec_stats(self, r: Request):
+        s, c = r.stats, r.counts
+        s.drafter = getattr(self.drafter, "name", "drafter")
+        s.draft_passes, s.drafted_tokens = c.get("draft_passes", 0), c.get("drafted_tokens", 0)
+        s.accepted_tokens = c.get("accepted_tokens", 0)
+        s.acceptance = s.accepted_tokens / s.drafted_tokens if s.drafted_tokens else 0.0
 
     def _choose(self, r: Request, logits, greedy: int) -> int:
         """Sampling of one row: the same processors, constraint and sampler as the single-sequence path
@@ -191,6 +268,7 @@ class Engine:
 
         if r.sampling.temperature == 0 and r.sampling.constraint is None and not r._processors:
             return greedy
+        logits = logits[None]  # [1, vocab], the shape generation.py's processors and constraints get
         if r._processors:
             ctx = mx.array(r.feed)
             for p in r._processors:
@@ -201,10 +279,10 @@ class Engine:
             return int(mx.argmax(logits))
         if r.sampling.seed is not None:  # reproducible per request whatever else shares the batch
             mx.random.seed((r.sampling.seed * 1_000_003 + len(r.out)) % 2**63)
-        return int(r._sample((logits - mx.logsumexp(logits, keepdims=True))[None])[0])
+        return int(r._sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0])
 
-    def _advance(self, r: Request, logits, greedy: int, now: float):
-        tok = self._choose(r, logits, greedy)
+    def _take(self, r: Request, tok: int, now: float) -> bool:
+        """r's next token: emit it (and any tokens its grammar forces), or finish r. True when r finished."""
         if not r.out:
             r.stats.ttft_s = r.stats.prefill_s = now - r.submitted
         r.token_times.append(now)
@@ -212,7 +290,8 @@ class Engine:
         if c is not None:
             c.advance(tok)
         if tok in self.eos:
-            return self._finish(r, "stop")
+            self._finish(r, "stop")
+            return True
         r.out.append(tok)
         r.feed.append(tok)
         r.stats.generated_tokens = len(r.out)
@@ -220,22 +299,30 @@ class Engine:
         text = r._stops.feed(r._detok.last_segment)
         r._emit(text, tok)
         if r._stops.hit or (c is not None and c.done):
-            return self._finish(r, "stop")
+            self._finish(r, "stop")
+            return True
         if len(r.out) >= r.max_tokens:
-            return self._finish(r, "length")
+            self._finish(r, "length")
+            return True
         if c is not None:
             forced = c.forced()[: r.max_tokens - len(r.out)]
-            for t in forced:
-                c.advance(t)
+            for t in forced:  # forced() already moved the grammar past them
                 r.out.append(t)
                 r.feed.append(t)
                 r._detok.add_token(t)
                 r._emit(r._stops.feed(r._detok.last_segment), t)
             r.stats.forced_tokens += len(forced)
+            r.stats.generated_tokens = len(r.out)
+            if forced and (c.done or len(r.out) >= r.max_tokens):  # as generation.py: nothing left to sample
+                self._finish(r, "stop" if c.done else "length")
+                return True
+        return False
 
     def _finish(self, r: Request, reason: str, publish: bool = True):
         if r in self.running:
             self.running.remove(r)
+        if not self.running:
+            self._stacks.clear()  # nothing decodes now: give the stacked copies back
         if r.caches is not None:
             seq = r.caches[0].seq
             if publish and self.index is not None:
@@ -332,6 +419,7 @@ class Engine:
                 except OSError:
                     pass  # stays in memory only; if evicted there, its tokens are recomputed
         seq.release()
+        self._stacks.clear()  # memory is short: stacked copies of sealed pages go too
         r.caches, r.cached, r.state = None, 0, QUEUED
         r.preemptions += 1
         self.preempted += 1
@@ -381,7 +469,11 @@ class Engine:
     def report(self) -> Dict[str, int]:
         return {"queued": len(self.queue), "running": len(self.running), "steps": self.steps,
                 "preempted": self.preempted, "kv_bytes": self.used_bytes(),
-                "budget_bytes": self.budget_bytes or 0}
+                "budget_bytes": self.budget_bytes or 0, **self.counts}
+
+
+def _no_phase(*args, **kwargs) -> float:
+    return 0.0
 
 
 def _common_prefix(a: List[int], b: List[int], limit: int) -> int:

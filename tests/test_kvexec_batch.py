@@ -129,3 +129,27 @@ def test_decode_batch_matches_single_sequence_attention(kv):
     for i, c in enumerate(caches):
         ref = paged_attention(q[i][None, :, None], c, 0.125)[0, :, 0]
         assert mx.allclose(got[i], ref, atol=2e-5, rtol=1e-4), (kv.name, lengths[i])
+
+
+@pytest.mark.parametrize("kv", CONFIGS[:2], ids=lambda k: k.name)
+def test_memo_of_sealed_stacks_follows_the_batch(kv):
+    """Stacks reused across steps give what fresh stacks give: after appends, after a page seals, and
+    after a sequence is swapped for another holding as many pages (poisoned: a stale stack would not read it)."""
+    pool = PagePool(1, kv.page_size)
+    caches = [_filled_cache(kv, n, seed=i, pool=pool) for i, n in enumerate([40, 95, 70])]
+    memo, q = {}, mx.random.normal((3, 9, 64))
+
+    def check(cs):
+        got = _decode_batch(q, cs, 0.125, memo)
+        assert mx.allclose(got, _decode_batch(q, cs, 0.125), atol=1e-6, equal_nan=True)
+        return got
+
+    check(caches)
+    assert memo  # sealed runs were stacked and kept
+    for _ in range(30):  # appends; the 70-token row seals its third page on the way
+        for c in caches:
+            c.update_and_fetch(mx.random.normal((1, 3, 1, 64)), mx.random.normal((1, 3, 1, 64)))
+        check(caches)
+    other = _filled_cache(kv, caches[1].offset, seed=9, pool=pool)
+    _poison([other])
+    assert bool(mx.isnan(check([caches[0], other, caches[2]])[1]).any())

@@ -23,8 +23,9 @@ def tiny(monkeypatch, runtime16):
 
 
 def test_bench_batch_json(tiny, capsys):
-    bench_batch.batch(concurrency="1,3", prompt_tokens=40, shared=20, gen=3, rounds=2, budget="64MiB",
-                      capacity_tokens=1024, systems="justfit,mlx-lm-batch", model="tiny", json_out=True)
+    bench_batch.batch(concurrency="1,3", prompt_tokens="40", shared=20, gen=3, rounds=2, budget="64MiB",
+                      capacity_tokens=1024, systems="justfit,mlx-lm-batch", model="tiny", wide=False, wide_layers=2,
+                      json_out=True)
     out = json.loads(capsys.readouterr().out)
     assert out["bench"] == "batch" and set(out["versions"]) == {"justfit", "mlx", "mlx_lm"}
     timing = [r for r in out["rows"] if "throughput_tok_s" in r]
@@ -45,8 +46,17 @@ def test_bench_batch_json(tiny, capsys):
 
 def test_bench_batch_refuses_bad_options():
     with pytest.raises(UserError):
-        bench_batch.batch(concurrency="0", prompt_tokens=40, shared=20, gen=3, rounds=1, budget="64MiB",
-                          capacity_tokens=1024, systems="justfit", model="tiny", json_out=True)
+        bench_batch.batch(concurrency="0", prompt_tokens="40", shared=20, gen=3, rounds=1, budget="64MiB",
+                          capacity_tokens=1024, systems="justfit", model="tiny", wide=False, wide_layers=2,
+                          json_out=True)
     with pytest.raises(UserError):
-        bench_batch.batch(concurrency="2", prompt_tokens=40, shared=40, gen=3, rounds=1, budget="64MiB",
-                          capacity_tokens=1024, systems="justfit", model="tiny", json_out=True)
+        bench_batch.batch(concurrency="2", prompt_tokens="40,x", shared=40, gen=3, rounds=1, budget="64MiB",
+                          capacity_tokens=1024, systems="justfit", model="tiny", wide=False, wide_layers=2,
+                          json_out=True)
+
+
+def test_wide_model_has_8b_attention_shapes():
+    m = bench_batch.wide_model(2, 49152)  # weights are lazy: nothing of the 8B-wide layers is computed here
+    a = m.args
+    assert (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (4096, 32, 8, 128)
+    assert len(m.layers) == 2 and m.layers[0].self_attn.k_proj.weight.shape == (1024, 4096)

@@ -137,12 +137,28 @@ class Agent:
 
     def stream(self, task: str) -> Iterator[Event]:
         """Run the task, yielding an Event per tool call, tool result and final answer."""
+        loop, reply = self._loop(task), None
+        while True:
+            try:
+                item = loop.send(reply)
+            except StopIteration:
+                return
+            if isinstance(item, Event):
+                reply = None
+                yield item
+            else:  # a model turn: decode it now on this agent's session
+                reply = (list(self.state.step(*item)), self.state.stats)
+
+    def _loop(self, task: str):
+        """The agent loop as a coroutine: yields Events, and the arguments of each model turn, to which
+        the driver sends back (generated ids, TurnStats); stream() decodes turns one by one, fan_out()
+        batches several agents' turns."""
         self.messages.append({"role": "user", "content": task})
         steps: List[Step] = []
         answer, stopped = "", "max_steps"
         for i in range(self.max_steps):
             choice = self.tool_choice if i == 0 or not isinstance(self.tool_choice, dict) else "required"
-            step = self._model_step(len(self.history) + len(steps), choice, first=i == 0)
+            step = yield from self._model_step(len(self.history) + len(steps), choice, first=i == 0)
             steps.append(step)
             if step.call is None:
                 answer, stopped = step.text.strip(), "answer" if step.stats.finish_reason != "length" else "length"
@@ -167,8 +183,9 @@ class Agent:
         result = Result(answer, steps, stopped, _totals(steps))
         yield Event("done", steps[-1].index if steps else 0, answer, stats=result.stats, result=result)
 
-    def _model_step(self, index: int, choice, first: bool = False) -> Step:
-        """Render the conversation, extend the state by the new tokens, decode one reply."""
+    def _model_step(self, index: int, choice, first: bool = False):
+        """Render the conversation, extend the state by the new tokens, have the driver decode one reply
+        (yields the turn's arguments, receives (ids, stats)); returns the Step."""
         finish = FINISH_TOOL if "final_answer" in self.tools else FINISH_TEXT
         self.state.sync(self.syntax.render(self.rt.tokenizer, self.messages, self.prompt_tools, finish))
         allowed = list(self.tools.values())
@@ -177,8 +194,7 @@ class Agent:
         grammar = lark_grammar(allowed, self.syntax, choice, self.max_string)
         constraint = Constraint(self.rt.tokenizer, self.n_vocab, grammar) if grammar else None
         seed = None if self.seed is None else self.seed + index
-        tokens = list(self.state.step(self.max_tokens, self.eos, self.temperature, self.top_p, constraint, seed))
-        stats = self.state.stats
+        tokens, stats = yield (self.max_tokens, self.eos, self.temperature, self.top_p, constraint, seed)
         body = [t for t in tokens if t not in self.eos]
         text = self.rt.tokenizer.decode(body)
         self.messages.append({"role": "assistant", "content": text})
@@ -233,8 +249,15 @@ class Agent:
         return result
 
     def fan_out(self, tasks: List[str], tools=None, **overrides) -> List[Result]:
-        """Several sub-agents from the same fork point, one after another; then all results."""
-        results = [self.spawn(t, tools=tools, record=False, **overrides) for t in tasks]
+        """Several sub-agents from the same fork point run as one batch: their model turns are requests on
+        the runtime's batching engine (rt.submit), decoded together, tools run between turns; each child
+        gives its pages back when all are done. Greedy results equal spawning them one after another."""
+        children = [self.fork(tools=tools, **overrides) for _ in tasks]
+        try:
+            results = _run_together([(c, c._loop(self._subtask_text(t, c))) for c, t in zip(children, tasks)])
+        finally:
+            for c in children:
+                c.close()
         for task, r in zip(tasks, results):
             self._record("spawn_agent", {"task": task}, _handback(r))
         return results
@@ -265,6 +288,36 @@ class Agent:
     def transcript(self) -> str:
         """Transcript of every step this agent has run so far."""
         return Result("", self.history, "").transcript()
+
+
+def _run_together(loops) -> List[Result]:
+    """Drive several agents' loops at once: each model turn becomes a request on the batching engine;
+    iterating any unfinished request steps the engine for all of them."""
+    results: List[Optional[Result]] = [None] * len(loops)
+    replies, requests, live = [None] * len(loops), {}, set(range(len(loops)))
+    try:
+        while live:
+            for i in sorted(live - set(requests)):
+                agent, loop = loops[i]
+                try:
+                    item = loop.send(replies[i])
+                    while isinstance(item, Event):
+                        results[i] = item.result if item.kind == "done" else results[i]
+                        item = loop.send(None)
+                except StopIteration:
+                    live.discard(i)
+                    continue
+                requests[i] = agent.state.submit(*item)
+            if requests:
+                next(iter(next(r for r in requests.values() if not r.done)), None)  # one engine step or more
+            for i, req in list(requests.items()):
+                if req.done:
+                    replies[i] = loops[i][0].state.finish(req)
+                    del requests[i]
+    finally:
+        for req in requests.values():  # an error in one sub-agent: the others' turns stop, pages freed
+            req.cancel()
+    return results
 
 
 def _handback(result: Result) -> str:

@@ -46,17 +46,38 @@ class AgentState:
     def step(self, max_tokens: int, eos: set, temperature: float = 0.0, top_p: float = 1.0,
              constraint=None, seed: Optional[int] = None) -> Iterator[int]:
         """Append the pending tokens and generate the reply (the runtime's one generation path)."""
-        if not self.pending:  # nothing new: regenerate from the last token
-            self.pending = self.session.tokens[-1:]
-            self.session.rewind(1)
-            self.text = self.rt.tokenizer.decode(self.session.tokens)
-        delta, self.pending = self.pending, []
+        delta = self._take_pending()
         before = len(self.session.tokens) + len(delta)
         for chunk in self.session.stream(delta, max_tokens, temperature, seed, top_p, constraint=constraint):
             if chunk.token >= 0:
                 yield chunk.token
         self.stats = self.session.last_stats
         self.text += self.rt.tokenizer.decode(self.session.tokens[before:])
+
+    def submit(self, max_tokens: int, eos: set, temperature: float = 0.0, top_p: float = 1.0,
+               constraint=None, seed: Optional[int] = None):
+        """Queue the reply on the runtime's batching engine (rt.submit) instead of decoding it now; the
+        history's pages come back from the prefix index. Hand the finished request to finish()."""
+        self.session.append(self._take_pending())
+        return self.rt.submit(self.session.tokens, max_tokens, temperature=temperature, top_p=top_p,
+                              constraint=constraint, seed=seed)
+
+    def finish(self, request):
+        """(generated ids, TurnStats) of a finished submit(); the reply joins the history."""
+        g = request.result()
+        self.session.append(g.tokens)
+        self.stats = g.stats
+        self.text += self.rt.tokenizer.decode(g.tokens)
+        return list(g.tokens), g.stats
+
+    def _take_pending(self) -> List[int]:
+        """The rendered tokens not yet in the history (nothing new: the last token again, regenerated)."""
+        if not self.pending:
+            self.pending = self.session.tokens[-1:]
+            self.session.rewind(1)
+            self.text = self.rt.tokenizer.decode(self.session.tokens)
+        delta, self.pending = self.pending, []
+        return delta
 
     def prefill_pending(self) -> None:
         """Bring the K/V up to the history (before forking sub-agents from this point)."""

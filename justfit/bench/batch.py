@@ -1,11 +1,13 @@
 """`justfit bench batch`: many requests on one model, JustFit's batching scheduler vs mlx-lm's BatchGenerator.
 
 Workload: `concurrency` requests submitted at once, each `prompt_tokens` random token ids of which the first
-`shared` are one system prefix common to all (fresh random tokens every round, so no system starts warm),
+`shared` (at most half the prompt) are one system prefix common to all (fresh random tokens every round, so no system starts warm),
 `gen` greedy tokens each with end-of-turn ids ignored (every request generates exactly `gen`). Systems run
 in the same process on the same model and inputs, alternating order every round: `justfit` (scheduler.Engine,
 default KV config, paged pool + prefix index in a temporary home) and `mlx-lm-batch` (BatchGenerator, its own
 left-padded KVCache per row). Timing rows are medians over rounds with min and max.
+`--wide` swaps the default model for a random-weight llama with a 7-8B model's attention shapes (hidden
+4096, 32 query heads, 8 KV heads, head_dim 128, FFN 14336) cut to `--wide-layers` layers, for long contexts.
 Capacity rows: how many concurrent sequences of `capacity_tokens` tokens (and how many cached positions)
 each system's KV layout holds under `budget` bytes; JustFit's arithmetic is checked against the pool bytes
 of a real sequence.
@@ -125,7 +127,34 @@ def capacity_rows(model, tokenizer, kv, home, budget, tokens):
     return rows, {"measured_bytes": int(measured), "predicted_bytes": int(predicted), "tokens": check}
 
 
-def run(model_spec, concurrencies, prompt_tokens, shared, gen, rounds, budget, capacity_tokens, systems):
+WIDE = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+            rope_theta=500000.0, rms_norm_eps=1e-5)  # Llama-3-8B's layer shapes
+
+
+def wide_model(layers: int, vocab_size: int, ffn: int = WIDE["intermediate_size"]):
+    """A random-weight float32 llama with 8B attention shapes and `layers` layers (weights made lazily)."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", num_hidden_layers=layers, vocab_size=vocab_size,
+                           tie_word_embeddings=True, **{**WIDE, "intermediate_size": ffn})
+    model = llama.Model(args)
+    model.justfit_path = f"random-llama-8b-shapes-{layers}-layers"
+    return model
+
+
+def _load(model_spec, wide_layers: int):
+    from justfit.models import load
+
+    model, tokenizer = load(model_spec)
+    if wide_layers:
+        model = wide_model(wide_layers, int(model.args.vocab_size))  # the default model's tokenizer decodes it
+    return model, tokenizer
+
+
+def run(model_spec, concurrencies, prompt_lengths, shared, gen, rounds, budget, capacity_tokens, systems,
+        wide_layers: int = 0):
     import random
 
     import mlx.core as mx
@@ -134,9 +163,8 @@ def run(model_spec, concurrencies, prompt_tokens, shared, gen, rounds, budget, c
     import justfit
     from justfit.config import KVConfig
     from justfit.kvexec.kernels import backend
-    from justfit.models import load
 
-    model, tokenizer = load(model_spec)
+    model, tokenizer = _load(model_spec, wide_layers)
     kv = KVConfig()
     vocab = int(model.args.vocab_size)
     rows = []
@@ -147,29 +175,31 @@ def run(model_spec, concurrencies, prompt_tokens, shared, gen, rounds, budget, c
         warm = _prompts(rng, 2, 64, 32, vocab)
         run_justfit(model, tokenizer, kv, home / "warm", warm, 4)
         run_mlx_lm(model, warm, 4)
-        for conc in concurrencies:
+        for prompt_tokens, conc in [(p, c) for p in prompt_lengths for c in concurrencies]:
             samples = {s: [] for s in systems}
+            common = min(shared, prompt_tokens // 2)
             for i in range(rounds):
-                prompts = _prompts(rng, conc, prompt_tokens, min(shared, prompt_tokens - 1), vocab)
+                prompts = _prompts(rng, conc, prompt_tokens, common, vocab)
                 order = systems if i % 2 == 0 else systems[::-1]
                 for s in order:
                     if s == "justfit":
-                        r = run_justfit(model, tokenizer, kv, home / f"r{conc}-{i}", prompts, gen)
+                        r = run_justfit(model, tokenizer, kv, home / f"r{prompt_tokens}-{conc}-{i}", prompts, gen)
                     else:
                         r = run_mlx_lm(model, prompts, gen)
                     samples[s].append(r)
-                    _log(f"batch: {s} c={conc} round {i + 1}: {r['throughput_tok_s']:.1f} tok/s, ttft p50 "
+                    _log(f"batch: {s} p={prompt_tokens} c={conc} round {i + 1}: {r['throughput_tok_s']:.1f} tok/s, ttft p50 "
                          f"{r['ttft_p50_s']:.2f}s, itl p50 {r['itl_p50_s'] * 1e3:.0f} ms, prefilled {r['prefilled_tokens']}, "
                          f"peak {r['peak_memory_bytes'] / 2**20:.0f} MiB")
             for s in systems:
-                rows.append(_median_row(s, conc, prompt_tokens, shared, gen, samples[s]))
+                rows.append(_median_row(s, conc, prompt_tokens, common, gen, samples[s]))
         capacity, check = capacity_rows(model, tokenizer, kv, home / "cap", budget, capacity_tokens)
     return {
         "bench": "batch", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
         "versions": {"justfit": justfit.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
         "kv": kv.name,
         "notes": {
-            "workload": f"{prompt_tokens}-token random-id prompts sharing a {shared}-token prefix (fresh each round), "
+            "workload": f"{'/'.join(map(str, prompt_lengths))}-token random-id prompts sharing a prefix of "
+                        f"min({shared}, prompt/2) tokens (fresh each round), "
                         f"{gen} greedy tokens each, end-of-turn ignored; all requests submitted at once",
             "throughput_tok_s": "generated tokens / wall time from submission to the last token",
             "peak_memory_bytes": "mx.get_peak_memory() over the run: weights + KV + workspace",
@@ -196,31 +226,31 @@ SYSTEMS = ("justfit", "mlx-lm-batch")
 
 
 def batch(
-    concurrency: str = typer.Option("1,4,8", "--concurrency", help="Comma-separated numbers of concurrent requests."),
-    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Tokens per prompt."),
-    shared: int = typer.Option(256, "--shared", help="Tokens of the prefix all prompts share."),
+    concurrency: str = typer.Option("1,4,8,16", "--concurrency", help="Comma-separated numbers of concurrent requests."),
+    prompt_tokens: str = typer.Option("512,4096", "--prompt-tokens", help="Comma-separated tokens per prompt."),
+    shared: int = typer.Option(1024, "--shared", help="Tokens of the prefix all prompts share (at most half a prompt)."),
     gen: int = typer.Option(128, "--gen", help="Generated tokens per request."),
     rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds per concurrency (median reported)."),
     budget: str = typer.Option("512MiB", "--budget", help="KV budget for the capacity rows."),
     capacity_tokens: int = typer.Option(4096, "--capacity-tokens", help="Sequence length for the capacity rows."),
     systems: str = typer.Option(",".join(SYSTEMS), "--systems", help="Comma-separated systems to run."),
     model: str = typer.Option("default", "--model", help="Model spec, as for justfit chat."),
+    wide: bool = typer.Option(False, "--wide", help="A random-weight llama with 7-8B attention shapes instead."),
+    wide_layers: int = typer.Option(2, "--wide-layers", help="Layers of the --wide model."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ):
     """Continuous batching: JustFit's scheduler vs mlx-lm's BatchGenerator (throughput, TTFT, ITL, memory, capacity)."""
     from justfit.errors import UserError
     from justfit.phaseswap.budget import parse_budget
 
-    try:
-        concs = [int(c) for c in concurrency.split(",") if c.strip()]
-    except ValueError:
-        raise UserError(f"--concurrency must be comma-separated integers, not {concurrency!r}") from None
+    concs, lengths = _ints(concurrency, "--concurrency"), _ints(prompt_tokens, "--prompt-tokens")
     names = tuple(s.strip() for s in systems.split(",") if s.strip())
     if not concs or any(c < 1 for c in concs) or not names or any(n not in SYSTEMS for n in names):
         raise UserError(f"--concurrency must be positive and --systems among {', '.join(SYSTEMS)}")
-    if prompt_tokens < 2 or gen < 1 or rounds < 1 or not 0 <= shared < prompt_tokens:
-        raise UserError("--prompt-tokens >= 2, --gen >= 1, --rounds >= 1 and 0 <= --shared < --prompt-tokens")
-    result = run(model, concs, prompt_tokens, shared, gen, rounds, parse_budget(budget), capacity_tokens, names)
+    if not lengths or min(lengths) < 2 or gen < 1 or rounds < 1 or shared < 0 or wide_layers < 1:
+        raise UserError("--prompt-tokens >= 2, --gen >= 1, --rounds >= 1, --shared >= 0 and --wide-layers >= 1")
+    result = run(model, concs, lengths, shared, gen, rounds, parse_budget(budget), capacity_tokens, names,
+                 wide_layers if wide else 0)
     if json_out:
         print(json.dumps(result))
         return
@@ -229,6 +259,15 @@ def batch(
             print(f"{r['system']:14s} capacity under {r['budget_bytes'] / 2**20:.0f} MiB: {r['concurrency']} x "
                   f"{r['context']} tokens = {r['capacity_positions']} positions")
         else:
-            print(f"{r['system']:14s} c={r['concurrency']:3d}  {r['throughput_tok_s']:7.1f} tok/s  ttft p50 "
+            print(f"{r['system']:14s} p={r['prompt_tokens']:5d} c={r['concurrency']:3d}  {r['throughput_tok_s']:7.1f} tok/s  ttft p50 "
                   f"{r['ttft_p50_s']:.2f}s  itl p50 {r['itl_p50_s'] * 1e3:.0f} ms  peak "
                   f"{r['peak_memory_bytes'] / 2**20:.0f} MiB  prefilled {r['prefilled_tokens']}")
+
+
+def _ints(text: str, option: str):
+    from justfit.errors import UserError
+
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise UserError(f"{option} must be comma-separated integers, not {text!r}") from None

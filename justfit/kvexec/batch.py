@@ -12,20 +12,21 @@ over their stacked pages with an online softmax, so the workspace stays bounded 
 A row only ever reads pages of its own sequence's table.
 """
 
-from typing import List, Sequence as Seq
+from typing import List, Optional, Sequence as Seq
 
 import mlx.core as mx
 
 from .attention import RUN_ELEMENTS, paged_attention
 from .cache import PagedKVCache
-from .pages import QUANT
+from .pages import FULL, OPEN, QUANT
 
 
 class BatchPlan:
     """One step's rows: segments [(per-layer caches of one sequence, rows)], in row order."""
 
-    def __init__(self, segments: List[tuple]):
+    def __init__(self, segments: List[tuple], memo: Optional[dict] = None):
         self.segments = [(caches, n) for caches, n in segments if n > 0]
+        self.memo = memo  # stacked sealed pages kept across steps by the caller (see _decode_batch)
         first = [c[0].offset for c, _ in self.segments]
         self.positions = mx.array([s + i for s, (_, n) in zip(first, self.segments) for i in range(n)])
         self.rows = sum(n for _, n in self.segments)
@@ -92,24 +93,29 @@ def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
         r += n
     if decode:
         rows = mx.array([r for _, r, _ in decode])
-        o = _decode_batch(queries[rows, :, 0], [c for _, _, c in decode], scale)
+        o = _decode_batch(queries[rows, :, 0], [c for _, _, c in decode], scale, layer.plan.memo)
         for j, (slot, _, _) in enumerate(decode):
             out[slot] = o[j][:, None][None]
     o = out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
     return o.astype(queries.dtype)
 
 
+GROUPS = (FULL, QUANT, OPEN)  # sealed float, sealed quantized, the page being filled
+
+
 def _split_pages(cache: PagedKVCache):
-    """A decode query sees every key of its sequence, in any order: (float pages, quantized pages)."""
-    fp, q = [], []
+    """A decode query sees every key of its sequence, in any order: its pages of each kind in GROUPS."""
+    out = {g: [] for g in GROUPS}
     for _, n, page in cache.pages():
-        (q if page.kind == QUANT else fp).append((n, page))
-    return fp, q
+        out[page.kind].append((n, page))
+    return [out[g] for g in GROUPS]
 
 
-def _decode_batch(q, caches: Seq[PagedKVCache], scale: float):
+def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dict] = None):
     """One query per sequence, q [B, Hq, D] -> [B, Hq, Dv]: pages of each kind stacked per key run (short
-    sequences padded and masked), scored on their stored format, merged with an online softmax."""
+    sequences padded and masked), scored on their stored format, merged with an online softmax. Sealed
+    pages never change, so with a `memo` their stacks are reused while the batch's sealed pages stay the
+    same (only the open pages are stacked every step)."""
     B, Hq, D = q.shape
     c0 = caches[0]
     H, P = c0.n_kv_heads, c0.seq.page_size
@@ -120,16 +126,20 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float):
     l = mx.zeros((B * H, rep, 1))
     acc = []
     run_pages = max(1, RUN_ELEMENTS // (B * Hq * P))
-    for kind in (0, 1):
-        lists = [s[kind] for s in split]
+    for g, kind in enumerate(GROUPS):
+        lists = [s[g] for s in split]
         most = max(len(x) for x in lists)
         if most == 0:
             continue
-        ck, cv = c0.full if kind == 0 else c0.codecs
+        ck, cv = c0.codecs if kind == QUANT else c0.full
         qc = ck.prepare(qf)
         o = None
         for p0 in range(0, most, run_pages):
-            kparts, vparts, valid = _stack_run(lists, p0, min(most, p0 + run_pages), P)
+            p1 = min(most, p0 + run_pages)
+            if memo is None or kind == OPEN:
+                kparts, vparts, valid = _stack_run(lists, p0, p1, P)
+            else:
+                kparts, vparts, valid = _memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P)
             s = ck.scores(qc, kparts).astype(mx.float32)  # [B*H, rep, T]
             s = mx.where(valid, s, -float("inf"))
             m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
@@ -146,6 +156,18 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float):
         out = cv.finish(a) if out is None else out + cv.finish(a)
     out = out / mx.maximum(l, 1e-30)
     return out.reshape(B, Hq, -1)
+
+
+def _memo_run(memo: dict, slot: tuple, lists, p0: int, p1: int, P: int):
+    """_stack_run of sealed pages, reused from `memo` while every row's pages in the run are the same
+    objects (the entry holds them, so their ids cannot be reused meanwhile); one entry per slot."""
+    key = tuple(tuple((n, id(page)) for n, page in x[p0:p1]) for x in lists)
+    hit = memo.get(slot)
+    if hit is not None and hit[0] == key:
+        return hit[2]
+    run = _stack_run(lists, p0, p1, P)
+    memo[slot] = (key, [x[p0:p1] for x in lists], run)
+    return run
 
 
 def _stack_run(lists, p0: int, p1: int, P: int):
