@@ -224,14 +224,14 @@ class Engine:
         if len(r.out) >= r.max_tokens:
             return self._finish(r, "length")
         if c is not None:
-            forced = c.forced()[: r.max_tokens - len(r.out)]
+            forced = c.forced()[: r.max_tokens - len(r.out)]  # forced() has consumed them already
             for t in forced:
-                c.advance(t)
                 r.out.append(t)
                 r.feed.append(t)
                 r._detok.add_token(t)
                 r._emit(r._stops.feed(r._detok.last_segment), t)
             r.stats.forced_tokens += len(forced)
+            r.stats.generated_tokens = len(r.out)
 
     def _finish(self, r: Request, reason: str, publish: bool = True):
         if r in self.running:
