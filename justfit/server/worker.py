@@ -3,11 +3,12 @@
 The thread owns the continuous-batching engine (`rt.batch_engine()`, scheduler.py). Each loop
 iteration it takes the jobs that arrived, submits them to the engine, runs one `engine.step()` (one
 batched forward pass over every running request) and forwards each request's new chunks to its job's
-asyncio queue. A persisted session turn (`prompt_cache_key` with `prompt_cache_retention: "24h"`,
-`--persist`, or a session already open or saved) runs on its StateTrans session instead, one token per
-loop iteration between batch steps; such turns run one at a time (they share the runtime's turn
-stats). A client that goes away sets `cancelled`: its engine request is cancelled at the next
-iteration (private pages freed at once), or its session stream is closed (pages released, turn saved).
+asyncio queue. Every request runs on the engine, grammars and penalties included. A persisted session
+(`prompt_cache_key` with `prompt_cache_retention: "24h"`, `--persist`, or a session saved before) is
+opened before its request is submitted (its pages join the prefix index, so the engine attaches them);
+when the reply is done the session adopts the turn (history = prompt + reply, K/V attached from the
+pages the engine published) and is checkpointed. A client that goes away sets `cancelled`: its engine
+request is cancelled at the next iteration and its private pages are freed at once.
 """
 
 import asyncio
@@ -15,7 +16,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -65,13 +65,11 @@ class Job:
 
 @dataclass
 class Running:
-    """A job in progress: its engine Request, or its session (`src`) and chunk iterator (`stream`)."""
+    """A job on the engine: its Request, and when its previous chunk was forwarded (inter-token metrics)."""
 
     job: Job
     request: object = None
-    src: object = None
-    stream: object = None
-    last: Optional[float] = None  # when its previous chunk was forwarded (inter-token metrics)
+    last: Optional[float] = None
 
 
 def stats_dict(stats) -> dict:
@@ -103,8 +101,6 @@ class Worker:
         self.sessions: dict = {}
         self.engine = None  # made on the thread
         self.batched: List[Running] = []  # jobs on the engine
-        self.turns: deque = deque()  # session jobs waiting for their turn
-        self.turn: Optional[Running] = None  # the session turn in progress
         self.batch = {"queued": 0, "running": 0, "max_running": 0, "steps": 0, "preempted": 0}  # last snapshot
         self.in_flight = 0  # accepted and not finished (the thread's count)
         self.released = False
@@ -118,14 +114,13 @@ class Worker:
 
     @property
     def waiting(self) -> int:
-        """Requests not generating yet: in the inbox, in the engine's queue, or waiting for a session turn."""
-        return self.jobs.qsize() + self.batch["queued"] + len(self.turns)
+        """Requests not generating yet: in the inbox or in the engine's queue."""
+        return self.jobs.qsize() + self.batch["queued"]
 
     def snapshot(self) -> dict:
-        """For /metrics: waiting, running (the engine's batch plus a session turn), max_running (the
-        engine's largest batch so far), steps, preempted."""
-        b = self.batch
-        return {**b, "waiting": self.waiting, "running": b["running"] + (self.turn is not None)}
+        """For /metrics: waiting, running (the engine's batch), max_running (its largest so far), steps,
+        preempted."""
+        return {**self.batch, "waiting": self.waiting}
 
     def submit(self, job: Job) -> Job:
         """Queue a job (503 with retry-after when the queue is full)."""
@@ -166,15 +161,11 @@ class Worker:
                 self.released = False
                 self._start(job)
             self._step()
-            self._advance_turn()
-
-    def _busy(self) -> bool:
-        return bool(self.batched or self.turn or self.turns)
 
     def _take(self) -> List[Optional[Job]]:
         """Jobs that arrived; waits for one when nothing runs (queue.Empty after idle_release seconds idle)."""
         jobs = []
-        if not self._busy():
+        if not self.batched:
             jobs.append(self.jobs.get(timeout=self.idle_release if not self.released else None))
         while True:
             try:
@@ -183,21 +174,21 @@ class Worker:
                 return jobs
 
     def _start(self, job: Job):
-        """Submit a job to the engine, or line it up for a session turn."""
+        """Submit a job to the engine (opening its persisted session first, so its pages are found)."""
         self.in_flight += 1
         if job.cancelled.is_set():
             return self._end(Running(job), error=APIError(499, "client closed the request"))
-        if self._on_session(job):
-            self.turns.append(job)
-            return
         try:
+            if self._persisted(job):
+                s = self._session(job.session)
+                self.rt.index.publish(s.seq, s.tokens)  # a restored session's pages, open page included
             req = self.engine.submit(job.prompt, job.max_tokens, **self._options(job))
         except Exception as e:  # noqa: BLE001  (refused before it joined: the batch is untouched)
             return self._fail(Running(job), e)
         self.batched.append(Running(job, request=req))
 
-    def _on_session(self, job: Job) -> bool:
-        """Does the job need its StateTrans session (persistence, or a session already open or saved)?"""
+    def _persisted(self, job: Job) -> bool:
+        """Is the job a turn of a persisted session (retention asked, --persist, or open or saved before)?"""
         from ..statetrans.manifest import manifest_path
 
         name = job.session
@@ -233,6 +224,8 @@ class Worker:
                 if r.request.done:
                     finished += 1
                     self._finish(r, r.request.stats)
+                    if self._persisted(r.job):
+                        self._adopt(r.job, r.request)
         rep = self.engine.report()  # a snapshot for /metrics (read on the event loop's thread)
         self.batch = {"queued": rep["queued"], "running": rep["running"], "steps": rep["steps"],
                       "preempted": rep["preempted"],
@@ -246,45 +239,19 @@ class Worker:
             r.last = now
             r.job.emit("chunk", chunks.popleft())
 
-    def _advance_turn(self):
-        """One token of the session turn in progress (starting the next waiting one if none is)."""
-        while self.turn is None and self.turns:
-            job = self.turns.popleft()
-            if job.cancelled.is_set():
-                self._end(Running(job), error=APIError(499, "client closed the request"))
-                continue
-            try:
-                src, stream = self._session_stream(job)
-            except Exception as e:  # noqa: BLE001
-                self._fail(Running(job), e)
-                continue
-            self.turn = Running(job, src=src, stream=stream)
-        r = self.turn
-        if r is None:
-            return
-        if r.job.cancelled.is_set():
-            r.stream.close()  # the session keeps what was generated; its pages are released in its finally
-            self.metrics.cancelled += 1
-            return self._end(r, error=APIError(499, "client closed the request"))
+    def _adopt(self, job: Job, req):
+        """The session takes the finished turn: history = prompt + reply, K/V attached from the pages the
+        engine published (rewound to a page boundary first, so whole pages attach), then a checkpoint."""
         try:
-            chunk = next(r.stream, None)
-        except Exception as e:  # noqa: BLE001
-            r.stream.close()
-            return self._fail(r, e)
-        if chunk is not None:
-            return self._forward(r, deque([chunk]))
-        r.stream.close()
-        self._finish(r, getattr(r.src, "last_stats", None))
-
-    def _session_stream(self, job: Job):
-        """(session, chunk iterator) for a session job: the history is rewound to the common prefix."""
-        s = self._session(job.session)
-        s.set_persist(s.persist or job.persist or self.persist)
-        keep = common_prefix(s.tokens, job.prompt)
-        keep = min(keep, len(job.prompt) - 1)  # the engine needs at least one new token
-        if keep < len(s.tokens):
+            s = self._session(job.session)
+            s.set_persist(True)
+            keep = common_prefix(s.tokens, req.feed) // self.rt.index.page_size * self.rt.index.page_size
             s.rewind(len(s.tokens) - keep)
-        return s, s.stream(job.prompt[keep:], job.max_tokens, **self._options(job))
+            s.append(req.feed[keep:])
+            s.prefill()  # attaches the published pages; computes at most the last token
+            s.checkpoint(auto=True)
+        except Exception as e:  # noqa: BLE001  (the reply is delivered; only its persistence failed)
+            log.warning("session %r: could not save the turn: %s", job.session, e)
 
     def _finish(self, r: Running, stats):
         stats = stats_dict(stats)
@@ -301,8 +268,6 @@ class Worker:
     def _end(self, r: Running, stats: Optional[dict] = None, error: Optional[Exception] = None):
         if r in self.batched:
             self.batched.remove(r)
-        if r is self.turn:
-            self.turn = None
         self.in_flight -= 1
         r.job.emit("error", error) if error is not None else r.job.emit("end", stats)
 
@@ -321,11 +286,6 @@ class Worker:
         for r in list(self.batched):
             r.request.cancel()
             self._end(r, error=gone)
-        if self.turn is not None:
-            self.turn.stream.close()
-            self._end(self.turn, error=gone)
-        while self.turns:
-            self._end(Running(self.turns.popleft()), error=gone)
 
     def _session(self, name: str):
         s = self.sessions.pop(name, None)
