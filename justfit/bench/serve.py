@@ -231,8 +231,8 @@ def serve(
     concurrency: str = typer.Option("1,4,8", "--concurrency",
                                     help="Comma-separated concurrency levels (conversations at once)."),
     rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds per system and level."),
-    quick: bool = typer.Option(False, "--quick", help="Smoke run: 3 turns of short tool results, 8 tokens, "
-                               "concurrency 1,4, 1 round (explicit options still win)."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke run: at most 3 turns, 40-word tool results, 8 "
+                               "tokens and 1 round; concurrency 1,4 unless given."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ):
     """justfit serve vs mlx_lm.server on a multi-turn agent trace: TTFT, ITL, throughput, RSS, restart."""

@@ -75,7 +75,7 @@ class Metrics:
             out += list(self.itl.lines("justfit_inter_token_seconds"))
         out += ["# HELP justfit_queue_length Requests waiting to start generating.",
                 "# TYPE justfit_queue_length gauge", f"justfit_queue_length {batch['waiting']}",
-                "# HELP justfit_batch_running Requests generating now (the engine's running batch; a session turn counts one).",
+                "# HELP justfit_batch_running Requests generating now (the engine's running batch).",
                 "# TYPE justfit_batch_running gauge", f"justfit_batch_running {batch['running']}",
                 "# HELP justfit_batch_running_max Largest running batch seen since start.",
                 "# TYPE justfit_batch_running_max gauge", f"justfit_batch_running_max {batch['max_running']}",
