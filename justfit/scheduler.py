@@ -224,8 +224,8 @@ class Engine:
         if len(r.out) >= r.max_tokens:
             return self._finish(r, "length")
         if c is not None:
-            forced = c.forced()[: r.max_tokens - len(r.out)]  # forced() has consumed them already
-            for t in forced:
+            forced = c.forced()[: r.max_tokens - len(r.out)]
+            for t in forced:  # forced() already moved the grammar past them
                 r.out.append(t)
                 r.feed.append(t)
                 r._detok.add_token(t)
