@@ -231,7 +231,6 @@ class Engine:
                 r._detok.add_token(t)
                 r._emit(r._stops.feed(r._detok.last_segment), t)
             r.stats.forced_tokens += len(forced)
-            r.stats.generated_tokens = len(r.out)
 
     def _finish(self, r: Request, reason: str, publish: bool = True):
         if r in self.running:
