@@ -3,9 +3,11 @@ loopback on the same model folder and driven by the same async httpx client.
 
 Workload: an agent trace per conversation: a system prompt, then `turns` turns that each add a scripted
 tool call and a tool result (growing the history to ~4k tokens at the defaults), each turn a streamed
-greedy reply; conversations run at concurrency 1 and 8. Then both servers restart and every
-conversation sends its next turn (`after-restart`). Rows per DESIGN.md §6; timings are medians over
-interleaved rounds (each round starts both servers fresh, in alternating order) with min and max.
+greedy reply; conversations run at concurrency 1, 4 and 8 (at concurrency c, c conversations send
+their turns at once: justfit batches them in its engine, `max_batch` is the largest batch its /metrics
+saw). Then both servers restart and every conversation sends its next turn (`after-restart`). Rows per
+DESIGN.md §6; timings are medians over interleaved rounds (each round starts both servers fresh, in
+alternating order) with min and max.
 """
 
 import asyncio
@@ -110,6 +112,17 @@ class Server:
             return None
         return None
 
+    def max_batch(self) -> Optional[int]:
+        """justfit only: the largest running batch its engine saw (from /metrics)."""
+        import re
+
+        import httpx
+
+        if self.system != "justfit-serve":
+            return None
+        m = re.search(r"justfit_batch_running_max (\d+)", httpx.get(self.url + "/metrics", timeout=10).text)
+        return int(m.group(1)) if m else None
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -191,21 +204,23 @@ def one_round(system: str, folder: str, convs, turns: int, max_tokens: int, conc
     try:
         res = asyncio.run(run_phase(srv.url, srv.model, convs, range(turns), max_tokens, concurrency))
         rss = srv.peak_rss()  # read before the process (and its /proc entry) goes
+        batch = srv.max_batch()
     finally:
         srv.stop()
     restarted = Server(system, folder, home)
     try:
         after = asyncio.run(run_phase(restarted.url, restarted.model, convs, range(turns, turns + 1), max_tokens, concurrency))
         rss2 = restarted.peak_rss()
+        batch2 = restarted.max_batch()
     finally:
         restarted.stop()
-    base = {"system": system, "concurrency": concurrency, "start_s": srv.start_s}
+    base = {"system": system, "concurrency": concurrency, "start_s": srv.start_s, "max_batch": batch}
     first = res[0]
     later = [r for t in range(1, turns) for r in res[t]]
     return [{**base, "workload": "first-turn", **summarize(first), "peak_rss_bytes": rss},
             {**base, "workload": "later-turns", **summarize(later), "peak_rss_bytes": rss},
             {**base, "workload": "after-restart", **summarize(after[turns]), "peak_rss_bytes": rss2,
-             "start_s": restarted.start_s}]
+             "start_s": restarted.start_s, "max_batch": batch2}]
 
 
 def serve(
@@ -213,8 +228,11 @@ def serve(
     turns: int = typer.Option(10, "--turns", min=2, help="Turns per conversation (history grows each turn)."),
     result_words: int = typer.Option(230, "--result-words", min=10, help="Words per tool result (~300 tokens)."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Tokens per reply."),
-    concurrency: str = typer.Option("1,8", "--concurrency", help="Comma-separated concurrency levels."),
+    concurrency: str = typer.Option("1,4,8", "--concurrency",
+                                    help="Comma-separated concurrency levels (conversations at once)."),
     rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds per system and level."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke run: at most 3 turns, 40-word tool results, 8 "
+                               "tokens and 1 round; concurrency 1,4 unless given."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ):
     """justfit serve vs mlx_lm.server on a multi-turn agent trace: TTFT, ITL, throughput, RSS, restart."""
@@ -222,8 +240,16 @@ def serve(
 
     from justfit.models import resolve
 
+    if quick:
+        turns, result_words, max_tokens = min(turns, 3), min(result_words, 40), min(max_tokens, 8)
+        concurrency, rounds = ("1,4" if concurrency == "1,4,8" else concurrency), min(rounds, 1)
     folder = str(resolve(model))
-    levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    try:
+        levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"--concurrency takes comma-separated integers, not {concurrency!r}") from None
+    if not levels or min(levels) < 1:
+        raise typer.BadParameter("--concurrency needs levels >= 1")
     systems = ["justfit-serve", "mlx-lm-server"]
     raw = []
     for level in levels:
@@ -245,12 +271,13 @@ def serve(
         for row in rows:
             typer.echo(f"{row['system']:<14} {row['workload']:<13} c={row['concurrency']:<2} "
                        f"ttft p50 {row['ttft_p50_s']:.3f}s [{row['ttft_p50_s_min']:.3f}-{row['ttft_p50_s_max']:.3f}] "
-                       f"tok/s {row['throughput_tok_s']:.1f}  rss {(row['peak_rss_bytes'] or 0) / 1e6:.0f} MB")
+                       f"tok/s {row['throughput_tok_s']:.1f}  rss {(row['peak_rss_bytes'] or 0) / 1e6:.0f} MB"
+                       + (f"  batch<={row['max_batch']:.0f}" if row["max_batch"] is not None else ""))
         typer.echo(json.dumps(out["ratios"], indent=1))
 
 
 METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "throughput_tok_s", "cached_tokens",
-           "peak_rss_bytes", "start_s")
+           "peak_rss_bytes", "start_s", "max_batch")
 
 
 def aggregate(raw: List[dict]) -> List[dict]:

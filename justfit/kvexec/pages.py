@@ -104,6 +104,11 @@ class PagePool:
                     layer.pop(pid, None)
                 self._free.append(pid)
 
+    @property
+    def free_ids(self) -> int:
+        """Released page ids waiting for reuse (a metric; alloc takes them first)."""
+        return len(self._free)
+
     def get(self, layer: int, pid: int) -> Optional[Page]:
         return self.records[layer].get(pid)
 

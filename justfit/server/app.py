@@ -59,7 +59,7 @@ class Server:
         gen, cached = stats.get("generated_tokens", 0), stats.get("reused_tokens", 0)
         note = request.scope.setdefault("state", {})
         note["log"] = f"prompt={len(job.prompt)} cached={cached} completion={gen} " \
-                      f"queued={time.perf_counter() - job.queued_at:.2f}s"
+                      f"queued={stats.get('queue_s', 0.0):.2f}s total={time.perf_counter() - job.queued_at:.2f}s"
 
 
 def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, persist: bool = False,

@@ -1,5 +1,6 @@
 """Prometheus text metrics: requests, tokens, cached tokens, TTFT and inter-token histograms, queue
-length, KV pool pages and resident bytes per component (read from the runtime at scrape time)."""
+length and batch size (the worker's snapshot of the engine), KV pool pages and resident bytes per
+component (read from the runtime at scrape time)."""
 
 import threading
 from bisect import bisect_left
@@ -58,8 +59,8 @@ class Metrics:
         with self.lock:
             self.itl.observe(seconds)
 
-    def render(self, rt, queue_length: int) -> str:
-        """The whole exposition text."""
+    def render(self, rt, batch: dict) -> str:
+        """The whole exposition text; `batch`: waiting, running, max_running, steps, preempted."""
         out = ["# HELP justfit_requests_total HTTP requests by route and status.",
                "# TYPE justfit_requests_total counter"]
         with self.lock:
@@ -72,7 +73,14 @@ class Metrics:
             out += ["# HELP justfit_inter_token_seconds Gap between streamed tokens.",
                     "# TYPE justfit_inter_token_seconds histogram"]
             out += list(self.itl.lines("justfit_inter_token_seconds"))
-        out += ["# TYPE justfit_queue_length gauge", f"justfit_queue_length {queue_length}"]
+        out += ["# HELP justfit_queue_length Requests waiting to start generating.",
+                "# TYPE justfit_queue_length gauge", f"justfit_queue_length {batch['waiting']}",
+                "# HELP justfit_batch_running Requests generating now (the engine's running batch).",
+                "# TYPE justfit_batch_running gauge", f"justfit_batch_running {batch['running']}",
+                "# HELP justfit_batch_running_max Largest running batch seen since start.",
+                "# TYPE justfit_batch_running_max gauge", f"justfit_batch_running_max {batch['max_running']}",
+                "# TYPE justfit_batch_steps_total counter", f"justfit_batch_steps_total {batch['steps']}",
+                "# TYPE justfit_preempted_total counter", f"justfit_preempted_total {batch['preempted']}"]
         used, free = pool_pages(rt)
         out += ["# HELP justfit_pool_pages KV pages in the shared pool.", "# TYPE justfit_pool_pages gauge",
                 f'justfit_pool_pages{{state="used"}} {used}', f'justfit_pool_pages{{state="free"}} {free}']
@@ -87,4 +95,4 @@ class Metrics:
 def pool_pages(rt) -> Tuple[int, int]:
     """(pages referenced, ids free for reuse) in the runtime's shared KV page pool."""
     pool = rt.index.pool
-    return len(pool.refs), len(getattr(pool, "_free", ()))
+    return len(pool.refs), pool.free_ids

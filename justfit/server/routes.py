@@ -1,8 +1,10 @@
 """The routes: validate (pydantic + prompts.py), submit to the worker, answer or stream (SSE)."""
 
+import asyncio
 import json
 import time
 import uuid
+from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
@@ -32,7 +34,7 @@ async def health(request: Request):
 @router.get("/metrics")
 async def metrics(request: Request):
     srv = _srv(request)
-    return PlainTextResponse(srv.metrics.render(srv.rt, srv.worker.queue_length),
+    return PlainTextResponse(srv.metrics.render(srv.rt, srv.worker.snapshot()),
                              media_type="text/plain; version=0.0.4")
 
 
@@ -90,14 +92,15 @@ async def chat_completions(req: ChatRequest, request: Request):
     if req.stream:
         return await _sse(_chat_chunks(req, rid, jobs, replies, request), jobs)
     choices, stats = [], []
-    for i, (job, reply) in enumerate(zip(jobs, replies)):
-        async for kind, value in _run(job, reply, request):
-            if kind == "done":
-                call, st = value
-                stats.append(st)
-                calls = [ToolCall(id=reply.id, function=call)] if call else None
-                msg = OutMessage(content=None if call else reply.text, tool_calls=calls)
-                choices.append(Choice(index=i, message=msg, finish_reason=_finish(call, st)))
+    async with _cancel_on_disconnect(request, jobs):
+        for i, (job, reply) in enumerate(zip(jobs, replies)):
+            async for kind, value in _run(job, reply, request):
+                if kind == "done":
+                    call, st = value
+                    stats.append(st)
+                    calls = [ToolCall(id=reply.id, function=call)] if call else None
+                    msg = OutMessage(content=None if call else reply.text, tool_calls=calls)
+                    choices.append(Choice(index=i, message=msg, finish_reason=_finish(call, st)))
     return ChatCompletion(id=rid, model=srv.model_id, choices=choices, usage=_usage(jobs, stats))
 
 
@@ -142,12 +145,13 @@ async def completions(req: CompletionRequest, request: Request):
     if req.stream:
         return await _sse(_text_chunks(req, rid, jobs, head, request), jobs)
     choices, stats = [], []
-    for i, job in enumerate(jobs):
-        reply = Reply()
-        async for kind, value in _run(job, reply, request):
-            if kind == "done":
-                stats.append(value[1])
-                choices.append(TextChoice(index=i, text=head + reply.text, finish_reason=_finish(None, value[1])))
+    async with _cancel_on_disconnect(request, jobs):
+        for i, job in enumerate(jobs):
+            reply = Reply()
+            async for kind, value in _run(job, reply, request):
+                if kind == "done":
+                    stats.append(value[1])
+                    choices.append(TextChoice(index=i, text=head + reply.text, finish_reason=_finish(None, value[1])))
     return Completion(id=rid, model=srv.model_id, choices=choices, usage=_usage(jobs, stats))
 
 
@@ -166,6 +170,23 @@ async def _text_chunks(req: CompletionRequest, rid: str, jobs, head: str, reques
                 yield Completion(id=rid, model=srv.model_id, choices=[TextChoice(index=i, text=value[1], finish_reason=None)])
     if req.stream_options and req.stream_options.include_usage:
         yield Completion(id=rid, model=srv.model_id, choices=[], usage=_usage(jobs, stats))
+
+
+@asynccontextmanager
+async def _cancel_on_disconnect(request: Request, jobs):
+    """While a non-streamed reply is generated, watch the connection: a client that goes away cancels
+    its jobs (their engine requests stop and free their pages at the next step)."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        for j in jobs:
+            j.cancelled.set()
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 async def _sse(chunks, jobs):

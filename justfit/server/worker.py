@@ -1,10 +1,14 @@
-"""The seam between HTTP and the engine: one worker thread runs generations in arrival order.
+"""The seam between HTTP and the engine: one worker thread owns every MLX call of the server.
 
-Until batching lands (issue 13: `rt.submit`), the engine generates one sequence at a time, so every
-request is queued here and the event loop never blocks on MLX. A job streams (kind, value) events back
-to its request through an asyncio queue; a client that goes away sets `cancelled`, the worker stops
-iterating the engine's stream at the next token and closes it (its pages are released in the
-engine's `finally`). Swapping in rt.submit replaces `_loop` and `_generate` only.
+The thread owns the continuous-batching engine (`rt.batch_engine()`, scheduler.py). Each loop
+iteration it takes the jobs that arrived, submits them to the engine, runs one `engine.step()` (one
+batched forward pass over every running request) and forwards each request's new chunks to its job's
+asyncio queue. Every request runs on the engine, grammars and penalties included. A persisted session
+(`prompt_cache_key` with `prompt_cache_retention: "24h"`, `--persist`, or a session saved before) is
+opened before its request is submitted (its pages join the prefix index, so the engine attaches them);
+when the reply is done the session adopts the turn (history = prompt + reply, K/V attached from the
+pages the engine published) and is checkpointed. A client that goes away sets `cancelled`: its engine
+request is cancelled at the next iteration and its private pages are freed at once.
 """
 
 import asyncio
@@ -39,7 +43,10 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
 
     def emit(self, kind: str, value=None):
-        self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed (shutdown): nobody is listening any more
+            pass
 
     async def events(self):
         """(kind, value) events: ('chunk', Chunk)..., then ('end', stats) or ('error', exc)."""
@@ -56,6 +63,15 @@ class Job:
                 self.cancelled.set()
 
 
+@dataclass
+class Running:
+    """A job on the engine: its Request, and when its previous chunk was forwarded (inter-token metrics)."""
+
+    job: Job
+    request: object = None
+    last: Optional[float] = None
+
+
 def stats_dict(stats) -> dict:
     """The engine's turn stats as a dict (TurnStats or a plain dict)."""
     if stats is None:
@@ -63,8 +79,19 @@ def stats_dict(stats) -> dict:
     return stats.as_dict() if hasattr(stats, "as_dict") else dict(stats)
 
 
+def api_error(e: BaseException) -> Exception:
+    """The error a client gets for an exception raised while generating."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, MemoryBudgetError):  # the memory budget is full now: retry later, never an OOM
+        return APIError(503, f"out of memory budget: {e}", code="memory_budget", retry_after=5)
+    if isinstance(e, UserError):  # the engine refused an option or the session: the client's to fix
+        return APIError(400, str(e), code="invalid_value")
+    return e
+
+
 class Worker:
-    """Owns the generation thread, the job queue and the open sessions."""
+    """Owns the generation thread, the engine, the job inbox and the open sessions."""
 
     def __init__(self, rt, metrics, max_queue: int = 64, idle_release: Optional[float] = None,
                  persist: bool = False):
@@ -72,18 +99,32 @@ class Worker:
         self.idle_release, self.persist = idle_release, persist
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.sessions: dict = {}
-        self.busy = False
+        self.engine = None  # made on the thread
+        self.batched: List[Running] = []  # jobs on the engine
+        self.batch = {"queued": 0, "running": 0, "max_running": 0, "steps": 0, "preempted": 0}  # last snapshot
+        self.in_flight = 0  # accepted and not finished (the thread's count)
         self.released = False
         self.thread = threading.Thread(target=self._loop, name="justfit-engine", daemon=True)
         self.thread.start()
 
     @property
     def queue_length(self) -> int:
-        return self.jobs.qsize() + int(self.busy)
+        """Requests accepted and not finished: waiting or generating."""
+        return self.jobs.qsize() + self.in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Requests not generating yet: in the inbox or in the engine's queue."""
+        return self.jobs.qsize() + self.batch["queued"]
+
+    def snapshot(self) -> dict:
+        """For /metrics: waiting, running (the engine's batch), max_running (its largest so far), steps,
+        preempted."""
+        return {**self.batch, "waiting": self.waiting}
 
     def submit(self, job: Job) -> Job:
         """Queue a job (503 with retry-after when the queue is full)."""
-        if self.jobs.qsize() >= self.max_queue:
+        if self.waiting >= self.max_queue:
             raise APIError(503, f"server busy: {self.max_queue} requests queued; retry shortly", code="queue_full",
                            retry_after=1)
         job.loop, job.out = asyncio.get_running_loop(), asyncio.Queue()
@@ -91,7 +132,7 @@ class Worker:
         return job
 
     def close(self):
-        """Stop the thread after the running job and checkpoint every open session."""
+        """Stop the thread (running requests end with a 503) and checkpoint every open session."""
         self.jobs.put(None)
         self.thread.join(timeout=30)
         for name, s in list(self.sessions.items()):
@@ -107,72 +148,144 @@ class Worker:
         from ..grammar import ll_tokenizer
 
         ll_tokenizer(self.rt.tokenizer, vocab_size(self.rt.model))  # built once here, not in the first tool request
+        self.engine = self.rt.batch_engine()
         while True:
             try:
-                job = self.jobs.get(timeout=self.idle_release if not self.released else None)
+                jobs = self._take()
             except queue.Empty:
                 self._release()
                 continue
-            if job is None:
-                return
-            self.released, self.busy = False, True
+            if any(j is None for j in jobs):
+                return self._stop([j for j in jobs if j is not None])
+            for job in jobs:
+                self.released = False
+                self._start(job)
+            self._step()
+
+    def _take(self) -> List[Optional[Job]]:
+        """Jobs that arrived; waits for one when nothing runs (queue.Empty after idle_release seconds idle)."""
+        jobs = []
+        if not self.batched:
+            jobs.append(self.jobs.get(timeout=self.idle_release if not self.released else None))
+        while True:
             try:
-                self._run(job)
-            finally:
-                self.busy = False
+                jobs.append(self.jobs.get_nowait())
+            except queue.Empty:
+                return jobs
 
-    def _run(self, job: Job):
+    def _start(self, job: Job):
+        """Submit a job to the engine (opening its persisted session first, so its pages are found)."""
+        self.in_flight += 1
         if job.cancelled.is_set():
-            job.emit("error", APIError(499, "client closed the request"))
-            return
-        src, stream = None, None
+            return self._end(Running(job), error=APIError(499, "client closed the request"))
         try:
-            src, stream = self._generate(job)
-            last = None
-            for chunk in stream:
-                if job.cancelled.is_set():
-                    self.metrics.cancelled += 1
-                    break
-                now = time.perf_counter()
-                if last is not None:
-                    self.metrics.gap(now - last)
-                last = now
-                job.emit("chunk", chunk)
-            stream.close()  # a cancelled turn frees its pages here, in the engine's finally
-            stats = stats_dict(getattr(src, "last_stats", None))
-            self.metrics.turn(len(job.prompt), stats.get("generated_tokens", 0), stats.get("reused_tokens", 0),
-                              stats.get("ttft_s"))
-            job.emit("end", stats)
-        except APIError as e:
-            job.emit("error", e)
-        except MemoryBudgetError as e:  # the memory budget is full now: retry later, never an OOM
-            job.emit("error", APIError(503, f"out of memory budget: {e}", code="memory_budget", retry_after=5))
-        except UserError as e:  # the engine refused an option or the session: the client's to fix
-            job.emit("error", APIError(400, str(e), code="invalid_value"))
-        except Exception as e:  # noqa: BLE001  (reported to the client as a 500 envelope)
-            log.exception("generation failed")
-            job.emit("error", e)
-        finally:
-            if stream is not None:
-                stream.close()
+            if self._persisted(job):
+                s = self._session(job.session)
+                self.rt.index.publish(s.seq, s.tokens)  # a restored session's pages, open page included
+            req = self.engine.submit(job.prompt, job.max_tokens, **self._options(job))
+        except Exception as e:  # noqa: BLE001  (refused before it joined: the batch is untouched)
+            return self._fail(Running(job), e)
+        self.batched.append(Running(job, request=req))
 
-    def _generate(self, job: Job):
-        """(object whose last_stats describe the turn, chunk iterator) for a job."""
+    def _persisted(self, job: Job) -> bool:
+        """Is the job a turn of a persisted session (retention asked, --persist, or open or saved before)?"""
+        from ..statetrans.manifest import manifest_path
+
+        name = job.session
+        return name is not None and (job.persist or self.persist or name in self.sessions
+                                     or manifest_path(self.rt.home, name).exists())
+
+    def _options(self, job: Job) -> dict:
         opts = {k: v for k, v in job.options.items() if v is not None}
         if job.grammar:
             from ..models.vocab import vocab_size
             from ..grammar import Constraint
 
             opts["constraint"] = Constraint(self.rt.tokenizer, vocab_size(self.rt.model), job.grammar)
-        if job.session is None:
-            return self.rt, self.rt.stream(job.prompt, job.max_tokens, **opts)
-        s = self._session(job.session)
-        s.set_persist(s.persist or job.persist or self.persist)
-        keep = common_prefix(s.tokens, job.prompt)
-        keep = min(keep, len(job.prompt) - 1)  # the engine needs at least one new token
-        if keep < len(s.tokens):
+        return opts
+
+    def _step(self):
+        """One batched step, then every engine job's new chunks to its client; finished jobs end."""
+        for r in [r for r in self.batched if r.job.cancelled.is_set()]:
+            r.request.cancel()  # private pages freed now, before the step
+            self.metrics.cancelled += 1
+            self._end(r, error=APIError(499, "client closed the request"))
+        finished = 0
+        if self.batched:
+            try:
+                self.engine.step()
+            except Exception as e:  # noqa: BLE001  (a failed step fails the requests in it, not the server)
+                log.exception("batch step failed")
+                for r in list(self.batched):
+                    r.request.cancel()
+                    self._fail(r, e)
+            for r in list(self.batched):
+                self._forward(r, r.request.chunks)
+                if r.request.done:
+                    finished += 1
+                    self._finish(r, r.request.stats)
+                    if self._persisted(r.job):
+                        self._adopt(r.job, r.request)
+        rep = self.engine.report()  # a snapshot for /metrics (read on the event loop's thread)
+        self.batch = {"queued": rep["queued"], "running": rep["running"], "steps": rep["steps"],
+                      "preempted": rep["preempted"],
+                      "max_running": max(self.batch["max_running"], rep["running"] + finished)}
+
+    def _forward(self, r: Running, chunks):
+        while chunks:
+            now = time.perf_counter()
+            if r.last is not None:
+                self.metrics.gap(now - r.last)
+            r.last = now
+            r.job.emit("chunk", chunks.popleft())
+
+    def _adopt(self, job: Job, req):
+        """The session takes the finished turn: history = prompt + reply, K/V attached from the pages the
+        engine published (rewound to a page boundary first, so whole pages attach), then a checkpoint."""
+        try:
+            s = self._session(job.session)
+            s.set_persist(True)
+            keep = common_prefix(s.tokens, req.feed) // self.rt.index.page_size * self.rt.index.page_size
             s.rewind(len(s.tokens) - keep)
-        return s, s.stream(job.prompt[keep:], job.max_tokens, **opts)
+            s.append(req.feed[keep:])
+            s.prefill()  # attaches the published pages; computes at most the last token
+            s.checkpoint(auto=True)
+        except Exception as e:  # noqa: BLE001  (the reply is delivered; only its persistence failed)
+            log.warning("session %r: could not save the turn: %s", job.session, e)
+
+    def _finish(self, r: Running, stats):
+        stats = stats_dict(stats)
+        self.metrics.turn(len(r.job.prompt), stats.get("generated_tokens", 0), stats.get("reused_tokens", 0),
+                          stats.get("ttft_s"))
+        self._end(r, stats=stats)
+
+    def _fail(self, r: Running, e: BaseException):
+        err = api_error(e)
+        if not isinstance(err, APIError):
+            log.error("generation failed: %s: %s", type(e).__name__, e, exc_info=e)
+        self._end(r, error=err)
+
+    def _end(self, r: Running, stats: Optional[dict] = None, error: Optional[Exception] = None):
+        if r in self.batched:
+            self.batched.remove(r)
+        self.in_flight -= 1
+        r.job.emit("error", error) if error is not None else r.job.emit("end", stats)
+
+    def _stop(self, arrived: List[Job]):
+        """Shutdown: whatever still runs or waits ends with a 503 (uvicorn already waited for open requests)."""
+        gone = APIError(503, "the server is shutting down", code="shutting_down", retry_after=5)
+        while True:  # jobs that arrived with or after the stop
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            arrived += [job] if job is not None else []
+        for job in arrived:
+            self.in_flight += 1
+            self._end(Running(job), error=gone)
+        for r in list(self.batched):
+            r.request.cancel()
+            self._end(r, error=gone)
 
     def _session(self, name: str):
         s = self.sessions.pop(name, None)
@@ -198,4 +311,3 @@ class Worker:
         freed = suspend(self.rt.phaseswap)
         self.released = True
         log.info("idle for %.0f s: released %.1f MB; the next request reloads", self.idle_release, freed / 1e6)
-
