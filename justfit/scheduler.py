@@ -15,19 +15,19 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .errors import MemoryBudgetError, UserError
 from .generation import Sampling, StopText
 from .models.vocab import check_token_ids, vocab_size
-from .turns import Chunk, Generation, TurnStats
+from .turns import Chunk, Generation, Submitted, TurnStats
 
 STEP_TOKENS = 512  # rows of one forward pass: decoders first, prefill chunks fill the rest
 MAX_BATCH = 64  # sequences running at once
 QUEUED, WAITING, RUNNING, DONE = "queued", "waiting", "running", "done"
 
 
-class Request:
+class Request(Submitted):
     """One submitted generation: iterate it for Chunks (this drives the engine), `cancel()` to stop it."""
 
     def __init__(self, engine: "Engine", rid: int, prompt: List[int], max_tokens: int, sampling: Sampling):
@@ -53,31 +53,6 @@ class Request:
         self._sample = sampling.sampler()
         self._processors = sampling.processors()
 
-    # -- consuming ---------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[Chunk]:
-        return self
-
-    def __next__(self) -> Chunk:
-        while True:
-            if self.chunks:
-                return self.chunks.popleft()
-            if self.state == DONE:
-                raise StopIteration
-            self.engine.step()
-
-    def cancel(self):
-        """Stop now: private pages are freed at once; pages shared with the prefix index stay for reuse."""
-        self.engine.cancel(self)
-
-    def result(self) -> Generation:
-        """Run to the end and return the Generation (text, tokens, stats)."""
-        for _ in self:
-            pass
-        return Generation("".join(self.text), list(self.out), self.stats)
-
-    @property
-    def done(self) -> bool:
-        return self.state == DONE
 
     # -- engine side -------------------------------------------------------------------------------
     def _emit(self, text: str, token: int):

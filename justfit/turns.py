@@ -59,3 +59,33 @@ class Generation:
     text: str
     tokens: List[int]
     stats: TurnStats = field(default_factory=TurnStats)
+
+
+class Submitted:
+    """What a caller holds for a queued generation: iterate it for Chunks (each miss steps its engine),
+    `cancel()`, `result()`. Subclasses keep `engine`, `state`, `chunks`, `text`, `out` and `stats`."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        while True:
+            if self.chunks:
+                return self.chunks.popleft()
+            if self.done:
+                raise StopIteration
+            self.engine.step()
+
+    def cancel(self):
+        """Stop now: private pages are freed at once; pages shared with the prefix index stay for reuse."""
+        self.engine.cancel(self)
+
+    def result(self) -> "Generation":
+        """Run to the end and return the Generation (text, tokens, stats)."""
+        for _ in self:
+            pass
+        return Generation("".join(self.text), list(self.out), self.stats)
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"

@@ -31,7 +31,7 @@ from collections import deque
 from typing import Callable, Optional
 
 from ..errors import MemoryBudgetError, UserError
-from ..turns import Generation, TurnStats
+from ..turns import Generation, Submitted, TurnStats
 from .world import World, broadcast_json, gather_strings, world
 
 log = logging.getLogger("justfit.server")
@@ -196,7 +196,7 @@ class Leader:
         return self.batch_engine().run(reqs)
 
 
-class SerialRequest:
+class SerialRequest(Submitted):
     """The scheduler Request's surface (iterate for Chunks, cancel, result, done, chunks, stats) over one
     mirrored turn."""
 
@@ -206,29 +206,6 @@ class SerialRequest:
         self.text, self.out = [], []
         self.stats = TurnStats(prompt_tokens=len(self.prompt))
         self.state, self.finish_reason = "queued", None
-
-    @property
-    def done(self) -> bool:
-        return self.state == "done"
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        while True:
-            if self.chunks:
-                return self.chunks.popleft()
-            if self.done:
-                raise StopIteration
-            self.engine.step()
-
-    def cancel(self):
-        self.engine.cancel(self)
-
-    def result(self) -> Generation:
-        for _ in self:
-            pass
-        return Generation("".join(self.text), list(self.out), self.stats)
 
     def _advance(self):
         self.state = "running"
