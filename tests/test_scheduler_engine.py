@@ -3,14 +3,14 @@ cancellation, bad requests, prefix sharing, preemption under a tiny KV budget, R
 
 import uuid
 
-import mlx.core as mx
 import pytest
 
 import justfit
 from justfit.config import KVConfig
 from justfit.errors import UserError
-from justfit.kvexec import make_cache
 from justfit.scheduler import Engine
+
+from .scheduler_support import greedy_alone
 
 
 @pytest.fixture(scope="module")
@@ -18,19 +18,6 @@ def rt(default_model_dir, tmp_path_factory):
     """The default model with small fp16 pages (several sealed pages per request) and its own store."""
     return justfit.Runtime(model=str(default_model_dir), kv=KVConfig(bits=16, page_size=32),
                            home=tmp_path_factory.mktemp("sched-home"))
-
-
-def _alone(rt, ids, n):
-    """Greedy tokens of one sequence run by itself through mlx-lm's model call (the reference)."""
-    c = make_cache(rt.model, rt.kv)
-    logits = rt.model(mx.array(ids)[None], cache=c)[0, -1]
-    out = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits)))
-        if out[-1] in rt.tokenizer.eos_token_ids:
-            return out[:-1]
-        logits = rt.model(mx.array([[out[-1]]]), cache=c)[0, -1]
-    return out
 
 
 def _engine(rt, **kw):
@@ -58,8 +45,8 @@ def test_join_leave_and_chunked_prefill_next_to_decode(rt):
             steps_with_b_prefilling += 1
             assert len(a.out) == before + 1 or a.done  # the decoder never stalls behind B's prefill
     assert steps_with_b_prefilling >= 2
-    assert a.out == _alone(rt, a_ids, 10)
-    assert b.out == _alone(rt, b_ids, 6)
+    assert a.out == greedy_alone(rt, a_ids, 10)
+    assert b.out == greedy_alone(rt, b_ids, 6)
     assert c.done and len(c.out) <= 2
     assert b.stats.prefilled_tokens == len(b_ids) - b.stats.reused_tokens and b.stats.generated_tokens == len(b.out)
 
@@ -94,7 +81,7 @@ def test_bad_requests_refused_without_disturbing_the_batch(rt):
                            ([10**7], {}, "vocabulary")):
         with pytest.raises(UserError, match=words):
             eng.submit(bad, **kw)
-    assert r.result().tokens == _alone(rt, ids, 8)
+    assert r.result().tokens == greedy_alone(rt, ids, 8)
 
 
 def test_shared_prefix_is_prefilled_once_even_in_the_same_step(rt):
@@ -110,7 +97,7 @@ def test_shared_prefix_is_prefilled_once_even_in_the_same_step(rt):
     assert shared >= 64  # the followers attached the leader's prefix pages instead of prefilling them
     assert sum(s.prefilled_tokens for s in rest) == sum(s.prompt_tokens - s.reused_tokens for s in rest)
     for p, g in zip(prompts, gens):
-        assert g.tokens == _alone(rt, rt.encode(p), 4)
+        assert g.tokens == greedy_alone(rt, rt.encode(p), 4)
 
 
 def test_preemption_under_a_tiny_budget_gives_the_same_tokens(rt):
@@ -133,7 +120,7 @@ def test_runtime_submit_generate_batch_and_async(rt):
 
     qs = [_unique("What is the capital of France?"), _unique("Name three colors.")]
     gens = rt.generate_batch(qs, max_tokens=8)
-    assert [g.tokens for g in gens] == [_alone(rt, rt.encode(q), 8) for q in qs]
+    assert [g.tokens for g in gens] == [greedy_alone(rt, rt.encode(q), 8) for q in qs]
     assert "Paris" in gens[0].text
     req = rt.submit(qs[0], max_tokens=12, stop=["Paris"])
     text = "".join(c.text for c in req)

@@ -2,14 +2,14 @@
 drafts (prompt lookup) and verifies over its own pages, several requests decode as a plain batch; greedy
 tokens equal plain decoding either way and no page moves when the engine switches."""
 
-import mlx.core as mx
 import pytest
 
 import justfit
 from justfit.config import KVConfig
-from justfit.kvexec import make_cache
 from justfit.phaseswap.drafting import PromptLookup
 from justfit.scheduler import Engine
+
+from .scheduler_support import greedy_alone
 
 COPY = ("Copy this list exactly, one item per line: red apple, green pear, blue plum, yellow lemon, "
         "purple grape, orange peach, red apple, green pear, blue plum, yellow lemon, purple grape.")
@@ -26,19 +26,6 @@ def _engine(rt, drafter=None):
     return Engine(rt.model, rt.tokenizer, rt.make_cache, index=rt.index, kv=rt.kv, drafter=drafter)
 
 
-def _alone(rt, ids, n):
-    """Greedy tokens of the sequence alone through mlx-lm's model call, one token per pass (reference)."""
-    c = make_cache(rt.model, rt.kv)
-    logits = rt.model(mx.array(ids)[None], cache=c)[0, -1]
-    out = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits)))
-        if out[-1] in rt.tokenizer.eos_token_ids:
-            return out[:-1]
-        logits = rt.model(mx.array([[out[-1]]]), cache=c)[0, -1]
-    return out
-
-
 def _ids(rt, text):
     return rt.encode(text)  # (a cached prefix from an earlier test changes nothing: same tokens either way)
 
@@ -52,7 +39,7 @@ def test_lone_request_drafts_and_matches_plain_decoding(rt):
     assert spec.engine.report()["accepted_tokens"] == g.stats.accepted_tokens
     plain = _engine(rt).submit(ids, max_tokens=48).result()
     assert plain.stats.draft_passes == 0
-    assert g.tokens == plain.tokens == _alone(rt, ids, 48)
+    assert g.tokens == plain.tokens == greedy_alone(rt, ids, 48)
     assert g.text == plain.text
     # fewer passes than tokens: accepted drafts came several per pass
     assert spec.engine.steps < plain.stats.generated_tokens + 1
@@ -76,8 +63,8 @@ def test_several_running_decode_plainly_then_the_survivor_drafts_in_place(rt):
         if a.caches is not None:
             assert a.caches[0].seq.table[:len(table) - 1] == table[:-1]  # its pages stayed where they were
     assert passes > 0
-    assert a.out == _alone(rt, long_ids, 40)
-    assert b.out == _alone(rt, short_ids, 3)
+    assert a.out == greedy_alone(rt, long_ids, 40)
+    assert b.out == greedy_alone(rt, short_ids, 3)
 
 
 def test_sampled_or_processed_requests_never_draft(rt):
