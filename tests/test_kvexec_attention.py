@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -10,7 +11,7 @@ from justfit.kvexec import PagePool, Sequence, attention
 from justfit.kvexec.cache import PagedKVCache, PagedMask
 
 FORMATS = [dict(bits=16), dict(bits=8), dict(bits=4), dict(bits=4, group_size=32), dict(bits=4, format="rotated"),
-           dict(bits=4, key_format="rotated"), dict(bits=4, key_bits=8)]  # quality levers: mixed key/value codecs
+           dict(bits=4, key_format="rotated"), dict(bits=4, key_bits=8), dict(bits=4, key_format="channel")]  # quality levers: mixed key/value codecs
 
 
 def _cache(kv, poison=True):
@@ -76,6 +77,18 @@ def test_paged_attention_matches_reference(fmt, page, hkv, rep, d, chunks, rewin
     cache.trim(rewind)
     assert cache.offset == max(0, sum(chunks) - rewind)
     append(tail)
+
+
+@pytest.mark.parametrize("fmt", FORMATS[1:], ids=str)
+def test_partial_sealed_page_after_a_trim_is_read_as_its_tokens(fmt):
+    """A trim leaves the last sealed page partial and still quantized until the next write; a query read
+    in between (verification, restore) sees exactly its remaining tokens, for every codec."""
+    kv = KVConfig(page_size=64, quantized_kv_start=0, **fmt)
+    cache, rng = _cache(kv), np.random.default_rng(3)
+    cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 128, 64)).astype(np.float32)) for _ in "kv"))
+    cache.trim(23)
+    assert cache.pages()[-1][1] == 41 and cache.pages()[-1][2].kind == "q"
+    _check(cache, mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32)))
 
 
 def test_sliding_window_and_sinks():

@@ -70,13 +70,15 @@ def _runs(pages, run_tokens):
     return runs + [cur] if cur else runs
 
 
-def _concat(pages, which):
-    """One run's stored parts (K or V) concatenated along the token axis, partial pages sliced."""
+def _concat(pages, codec, which, page_size):
+    """One run's stored parts (K or V) concatenated along the token axis, a partial page cut by its codec.
+
+    Only the cache's last page can be partial, so whole-group padding a codec keeps sits at the run's end."""
     parts = [page.parts()[which] for _, _, page in pages]
-    sliced = [tuple(a[:, :n] for a in ps) if n < ps[0].shape[1] else ps for (_, n, _), ps in zip(pages, parts)]
-    if len(sliced) == 1:
-        return sliced[0]
-    return tuple(mx.concatenate(list(col), axis=1) for col in zip(*sliced))
+    cut = [codec.take(ps, n) if n < page_size else ps for (_, n, _), ps in zip(pages, parts)]
+    if len(cut) == 1:
+        return cut[0]
+    return tuple(mx.concatenate(list(col), axis=1) for col in zip(*cut))
 
 
 def _attend_block(cache, qb, first, last, window, dense_mask, sinks, run_tokens):
@@ -93,8 +95,9 @@ def _attend_block(cache, qb, first, last, window, dense_mask, sinks, run_tokens)
         ck, cv = cache.codec(run[0][2])
         if id(ck) not in prepared:
             prepared[id(ck)] = ck.prepare(qb)
-        s = ck.scores(prepared[id(ck)], _concat(run, 0)).astype(mx.float32)
-        k0, T = run[0][0], s.shape[-1]
+        P, T = cache.seq.page_size, sum(n for _, n, _ in run)
+        s = ck.scores(prepared[id(ck)], _concat(run, ck, 0, P))[..., :T].astype(mx.float32)
+        k0 = run[0][0]
         allowed = _allowed(k0, T, first, last, window, M // rows)
         if dense_mask is not None:
             dm = dense_mask[..., k0 : k0 + T]
@@ -111,7 +114,7 @@ def _attend_block(cache, qb, first, last, window, dense_mask, sinks, run_tokens)
         l = l * alpha + p.sum(axis=-1, keepdims=True)
         for key in acc:
             acc[key] = (acc[key][0], acc[key][1] * alpha)
-        o_run = cv.mix(p, _concat(run, 1))
+        o_run = cv.mix(p, _concat(run, cv, 1, P))
         if id(cv) in acc:
             acc[id(cv)] = (cv, acc[id(cv)][1] + o_run)
         else:

@@ -137,10 +137,10 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
         for p0 in range(0, most, run_pages):
             p1 = min(most, p0 + run_pages)
             if memo is None or kind == OPEN:
-                kparts, vparts, valid = _stack_run(lists, p0, p1, P)
+                kparts, vparts, valid = _stack_run(lists, p0, p1, P, (ck, cv))
             else:
-                kparts, vparts, valid = _memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P)
-            s = ck.scores(qc, kparts).astype(mx.float32)  # [B*H, rep, T]
+                kparts, vparts, valid = _memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P, (ck, cv))
+            s = ck.scores(qc, kparts)[..., : valid.shape[-1]].astype(mx.float32)  # [B*H, rep, T]
             s = mx.where(valid, s, -float("inf"))
             m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
             m_safe = mx.where(m_new == -float("inf"), 0.0, m_new)
@@ -158,20 +158,20 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
     return out.reshape(B, Hq, -1)
 
 
-def _memo_run(memo: dict, slot: tuple, lists, p0: int, p1: int, P: int):
+def _memo_run(memo: dict, slot: tuple, lists, p0: int, p1: int, P: int, codecs):
     """_stack_run of sealed pages, reused from `memo` while every row's pages in the run are the same
     objects (the entry holds them, so their ids cannot be reused meanwhile); one entry per slot."""
     key = tuple(tuple((n, id(page)) for n, page in x[p0:p1]) for x in lists)
     hit = memo.get(slot)
     if hit is not None and hit[0] == key:
         return hit[2]
-    run = _stack_run(lists, p0, p1, P)
+    run = _stack_run(lists, p0, p1, P, codecs)
     memo[slot] = (key, [x[p0:p1] for x in lists], run)
     return run
 
 
-def _stack_run(lists, p0: int, p1: int, P: int):
-    """Pages p0..p1 of each sequence's list (partial pages cut to their tokens), zero-padded to one length
+def _stack_run(lists, p0: int, p1: int, P: int, codecs):
+    """Pages p0..p1 of each sequence's list (partial pages cut by their codec), zero-padded to one length
     and stacked [B*H, T, ...]; `valid` [B*H, 1, T] masks the padding. Only a row's own pages are read."""
     T = (p1 - p0) * P
     template = next(x[p0][1].parts() for x in lists if len(x) > p0)
@@ -180,8 +180,9 @@ def _stack_run(lists, p0: int, p1: int, P: int):
         run = pages[p0:p1]
         counts.append(sum(n for n, _ in run))
         for w, out in ((0, ks), (1, vs)):
-            parts = [tuple(a[:, :n] for a in page.parts()[w]) for n, page in run]
-            out.append(_cat(parts, template[w], counts[-1], T))
+            codec = codecs[w]
+            parts = [codec.take(page.parts()[w], n) if n < P else page.parts()[w] for n, page in run]
+            out.append(_cat(parts, template[w], codec.width(counts[-1]), codec.width(T)))
     H = template[0][0].shape[0]
     kparts = tuple(mx.stack(col).reshape(-1, *col[0].shape[1:]) for col in zip(*ks))
     vparts = tuple(mx.stack(col).reshape(-1, *col[0].shape[1:]) for col in zip(*vs))
@@ -191,7 +192,7 @@ def _stack_run(lists, p0: int, p1: int, P: int):
 
 
 def _cat(parts_list, template, n: int, T: int):
-    """One sequence's page parts concatenated along tokens and zero-padded to T tokens."""
+    """One sequence's page parts concatenated along tokens and zero-padded from n to T storage units."""
     if not parts_list:
         return tuple(mx.zeros((z.shape[0], T, *z.shape[2:]), z.dtype) for z in template)
     cols = [mx.concatenate(list(c), axis=1) if len(c) > 1 else c[0] for c in zip(*parts_list)]

@@ -26,7 +26,18 @@ def _pad(x: mx.array, d: int) -> mx.array:
     return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-class FullCodec:
+class Codec:
+    """What every codec shares: parts keep tokens on axis 1, `width(n)` entries of it for n tokens."""
+
+    def width(self, n: int) -> int:
+        return n
+
+    def take(self, parts, n: int):
+        """Parts of a page's first n tokens (a partial page after a trim), whole storage units."""
+        return tuple(a[:, : self.width(n)] for a in parts)
+
+
+class FullCodec(Codec):
     """bits=16: the page is the float array itself, in the dtype it arrived in."""
 
     name = "fp"
@@ -53,7 +64,7 @@ class FullCodec:
         return o
 
 
-class AffineCodec:
+class AffineCodec(Codec):
     """bits 4/8: `mx.quantize` along head_dim (zero-padded to a multiple of the group), scale and bias per group."""
 
     name = "affine"
@@ -88,7 +99,7 @@ class AffineCodec:
         return o[..., : self.head_dim]
 
 
-class ChannelCodec:
+class ChannelCodec(Codec):
     """Keys only, bits 4/8: each channel quantized along tokens in groups of `group_size` tokens (KIVI-style
     per-channel keys), so a few large-magnitude channels no longer set the scale of every other channel.
     Stored [H, P/g, D, g*bits/32] words with scales and biases [H, P/g, D, 1]: axis 1 still runs along
@@ -127,6 +138,10 @@ class ChannelCodec:
     def finish(self, o):
         return o
 
+    def width(self, n: int) -> int:
+        """Whole token groups: a partial page's scores gain up to g-1 columns that callers drop or mask."""
+        return -(-n // self.group_size)
+
 
 def unpack4(packed: mx.array) -> mx.array:
     """uint32 words [..., Dp/8] -> 4-bit codes [..., Dp], element i at bits 4*(i % 8) of word i // 8."""
@@ -143,7 +158,7 @@ def pack4(codes: mx.array) -> mx.array:
     return (c << mx.arange(0, 32, 4, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
 
 
-class RotatedCodec:
+class RotatedCodec(Codec):
     """4-bit rotated: fp16 norm per vector, random-sign Hadamard rotation, 16-level Lloyd-Max codebook."""
 
     name = "rotated"
