@@ -86,15 +86,32 @@ _PASS1_SOURCE = """
 """
 
 # Affine pages: x = scale * code + bias; the lane's R values lie in one quantization group.
-_LOAD_AFFINE = """
-            constexpr int WORDS = D * BITS / 32;
+_LOAD_K_AFFINE = """
             uint e0 = lane * R;
-            size_t g = row * (D / G) + e0 / G;
-            float ks = static_cast<float>(k_scales[g]), kb = static_cast<float>(k_biases[g]);
-            float vs = static_cast<float>(v_scales[g]), vb = static_cast<float>(v_biases[g]);
+            size_t kg = row * (D / G) + e0 / G;
+            float ks = static_cast<float>(k_scales[kg]), kb = static_cast<float>(k_biases[kg]);
             for (int j = 0; j < R; j++) {
-                kf[j] = ks * float(unpack_code<BITS>(k_codes + row * WORDS, e0 + j)) + kb;
-                vf[j] = vs * float(unpack_code<BITS>(v_codes + row * WORDS, e0 + j)) + vb;
+                kf[j] = ks * float(unpack_code<BITS>(k_codes + row * (D * BITS / 32), e0 + j)) + kb;
+            }
+"""
+
+# Channel keys (KVExec's ChannelCodec): pool [N, H, P/KG, D, KG/8] words, scales/biases
+# [N, H, P/KG, D, 1]; channel d of slot s is code s % KG of row ((page, head, s / KG), d).
+_LOAD_K_CHANNEL = """
+            int slot = t % P;
+            size_t crow = ((size_t(page_table[t / P]) * H + kvh) * (P / KG) + slot / KG) * D + lane * R;
+            for (int j = 0; j < R; j++) {
+                float code = float(unpack_code<4>(k_codes + (crow + j) * (KG / 8), slot % KG));
+                kf[j] = static_cast<float>(k_scales[crow + j]) * code + static_cast<float>(k_biases[crow + j]);
+            }
+"""
+
+_LOAD_V_AFFINE = """
+            uint v0 = lane * R;
+            size_t vg = row * (D / G) + v0 / G;
+            float vs = static_cast<float>(v_scales[vg]), vb = static_cast<float>(v_biases[vg]);
+            for (int j = 0; j < R; j++) {
+                vf[j] = vs * float(unpack_code<BITS>(v_codes + row * (D * BITS / 32), v0 + j)) + vb;
             }
 """
 
@@ -112,13 +129,22 @@ _LOAD_ROTATED = """
 _OUTPUTS = ["part_o", "part_m", "part_l"]
 _TAIL = ["page_table", "k_recent", "v_recent", "lengths", "scale"]
 
-_pass1_affine = Kernel(
-    name="paged_attention_pass1_affine",
-    input_names=["q", "k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases"] + _TAIL,
-    output_names=_OUTPUTS,
-    source=_PASS1_SOURCE.replace("LOAD_KV", _LOAD_AFFINE.strip()),
-    header=UNPACK_HEADER,
-)
+_AFFINE_INPUTS = ["q", "k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases"] + _TAIL
+
+
+def _affine_values(key, load_k):
+    """A pass-1 kernel with affine values and keys loaded by load_k (affine or channel keys)."""
+    return Kernel(
+        name=f"paged_attention_pass1_{key}",
+        input_names=_AFFINE_INPUTS,
+        output_names=_OUTPUTS,
+        source=_PASS1_SOURCE.replace("LOAD_KV", (load_k + _LOAD_V_AFFINE).strip()),
+        header=UNPACK_HEADER,
+    )
+
+
+_pass1_affine = _affine_values("affine", _LOAD_K_AFFINE)
+_pass1_channel = _affine_values("channel", _LOAD_K_CHANNEL)
 
 _pass1_rotated = Kernel(
     name="paged_attention_pass1_rotated",
@@ -131,24 +157,28 @@ _pass1_rotated = Kernel(
 
 def attention_pass1(q, k_pages, v_pages, page_table, lengths, k_recent, v_recent, *, scale,
                     page_size, pages_per_split=4, group_size=64, bits=4, codebook=None,
-                    backend="metal"):
+                    key_format="affine", key_group=None, backend="metal"):
     """Partials (o [S, HQ, NQ, D], m [S, HQ, NQ], l [S, HQ, NQ]) float32, S = splits + 1.
 
     q [HQ, NQ, D]; k_pages/v_pages (codes, scales, biases) pools [N, H, P, ...] for affine or
-    (codes, norms) with codebook for rotated; page_table int32 [n]; lengths int32 [2] = (tokens
-    in the pages, tokens in the recent window); k_recent/v_recent [H, >=1, D] (rotated space
-    for rotated pages).
+    (codes, norms) with codebook for rotated; key_format="channel" takes 4-bit channel keys
+    (codes [N, H, P/key_group, D, key_group/8], scales/biases [N, H, P/key_group, D, 1]) with
+    affine values; page_table int32 [n]; lengths int32 [2] = (tokens in the pages, tokens in
+    the recent window); k_recent/v_recent [H, >=1, D] (rotated space for rotated pages).
     """
     hq, nq, d = q.shape
     h = k_recent.shape[0]
     splits = -(-page_table.shape[0] // pages_per_split) + 1
     rotated = codebook is not None
-    kernel = _pass1_rotated if rotated else _pass1_affine
-    pages = [k_pages[0], k_pages[1], v_pages[0], v_pages[1], codebook] if rotated else [
-        *k_pages, *v_pages]
     template = [("D", d), ("NQ", nq), ("PPS", pages_per_split), ("PAGE", page_size)]
-    if not rotated:
+    if rotated:
+        kernel, pages = _pass1_rotated, [k_pages[0], k_pages[1], v_pages[0], v_pages[1], codebook]
+    else:
+        kernel, pages = _pass1_affine, [*k_pages, *v_pages]
         template += [("G", group_size), ("BITS", bits)]
+    if key_format == "channel":
+        kernel = _pass1_channel
+        template.append(("KG", key_group))
     return kernel(
         backend,
         inputs=[q, *pages, page_table, k_recent, v_recent, lengths, mx.array(scale, mx.float32)],

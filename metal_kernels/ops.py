@@ -7,6 +7,9 @@ Page arguments (the KV page contract, batch 1, one layer):
   affine pages:  (codes uint32 [N, H, P, D*bits/32], scales [N, H, P, D/g], biases [N, H, P, D/g])
   rotated pages: (codes uint32 [N, H, P, D/8], norms float16 [N, H, P]), with
                  rotation = (codebook float [16], k_signs [D], v_signs [D])
+  channel keys (key_format="channel", 4-bit, with affine values; decode/verify only):
+                 (codes uint32 [N, H, P/kg, D, kg/8], scales, biases [N, H, P/kg, D, 1]),
+                 kg = key_group tokens per channel group (KVExec's ChannelCodec)
   page_table int32 [n]: pool index of each page of the sequence, in order; q_len: valid tokens
   in those pages (the last page may be partial); k_recent, v_recent [H, R, D] (R may be 0): the
   full-precision tokens after the pages. Queries q [HQ, NQ, D] are the last NQ tokens.
@@ -49,11 +52,15 @@ def _rotated_inputs(q, k_recent, v_recent, rotation):
             reference.rotate(v_recent, v_signs))
 
 
-def _reference_kv(pages, page_table, q_len, recent, rotation, group_size, bits):
-    """Full K or V [H, q_len + R, D] float32 from pages and the recent window."""
+def _reference_kv(pages, page_table, q_len, recent, rotation, group_size, bits, channel=None):
+    """Full K or V [H, q_len + R, D] float32 from pages and the recent window.
+
+    channel: the token group of channel-quantized keys, None for the other formats."""
     if page_table.size == 0:
         return recent.astype(mx.float32)
-    if rotation is None:
+    if channel is not None:
+        x = reference.dequant_channel(*pages, page_table, channel, mx.float32)
+    elif rotation is None:
         x = reference.dequant_affine(*pages, page_table, group_size, bits, mx.float32)
     else:
         x = reference.dequant_rotated(*pages, rotation[0], page_table, mx.float32)
@@ -72,28 +79,44 @@ def _padded(k_pages, v_pages, page_table, k_recent, v_recent):
     return k_pages, v_pages, page_table, k_recent, v_recent
 
 
+def _key_group(key_format, key_group, rotation, bits):
+    """The channel keys' token group (None for affine / rotated keys), after checking the mix."""
+    if key_format == "affine":
+        return None
+    if key_format != "channel" or rotation is not None or bits != 4 or not key_group:
+        raise ValueError("key_format must be 'affine', or 'channel' with a key_group, "
+                         f"4-bit affine values and no rotation, not {key_format!r}")
+    return key_group
+
+
 def paged_attention(q, k_pages, v_pages, page_table, q_len, k_recent, v_recent, *, scale,
-                    group_size=64, bits=4, rotation=None, pages_per_split=4, backend=None):
-    """Attention of q [HQ, NQ, D] (NQ 1..8) over pages + recent window; [HQ, NQ, D] in q.dtype."""
+                    group_size=64, bits=4, rotation=None, pages_per_split=4, key_format="affine",
+                    key_group=None, backend=None):
+    """Attention of q [HQ, NQ, D] (NQ 1..8) over pages + recent window; [HQ, NQ, D] in q.dtype.
+
+    group_size / bits are the values' (and affine keys'); key_format="channel" reads channel keys
+    in token groups of key_group."""
     b = _pick(backend)
+    channel = _key_group(key_format, key_group, rotation, bits)
     dtype = q.dtype
     page_table = page_table.astype(mx.int32)
     r_len = k_recent.shape[1]
     if rotation is not None:
         q, k_recent, v_recent = _rotated_inputs(q, k_recent, v_recent, rotation)
     if b == "reference":
-        k = _reference_kv(k_pages, page_table, q_len, k_recent, rotation, group_size, bits)
+        k = _reference_kv(k_pages, page_table, q_len, k_recent, rotation, group_size, bits, channel)
         v = _reference_kv(v_pages, page_table, q_len, v_recent, rotation, group_size, bits)
         o = reference.attention(q, k, v, scale)
     else:
-        page_size = k_pages[0].shape[2]
+        page_size = v_pages[0].shape[2]  # values hold one row per token in every format
         k_pages, v_pages, table, k_recent, v_recent = _padded(
             k_pages, v_pages, page_table, k_recent, v_recent)
         lengths = mx.array([q_len, r_len], dtype=mx.int32)
         parts = attention_pass1(
             q, k_pages, v_pages, table, lengths, k_recent, v_recent, scale=scale,
             page_size=page_size, pages_per_split=pages_per_split, group_size=group_size,
-            bits=bits, codebook=None if rotation is None else rotation[0], backend=b)
+            bits=bits, codebook=None if rotation is None else rotation[0], key_format=key_format,
+            key_group=channel, backend=b)
         out_dtype = mx.float32 if rotation is not None else dtype
         o = attention_pass2(*parts, dtype=out_dtype, backend=b)
     if rotation is not None:

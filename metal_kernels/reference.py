@@ -76,6 +76,23 @@ def dequant_affine(codes, scales, biases, page_table, group_size, bits, dtype):
     return x.transpose(1, 0, 2, 3).reshape(h, n * p, d).astype(dtype)
 
 
+def seal_channel(x, group_size=64, bits=4):
+    """Channel keys: pages [..., P, D] quantized per channel along groups of g tokens (KVExec's
+    ChannelCodec), (codes [..., P/g, D, g*bits/32], scales, biases [..., P/g, D, 1])."""
+    *lead, p, d = x.shape
+    t = x.reshape(*lead, p // group_size, group_size, d).swapaxes(-1, -2)
+    return mx.quantize(t, group_size=group_size, bits=bits)
+
+
+def dequant_channel(codes, scales, biases, page_table, group_size, dtype, bits=4):
+    """Channel-key pages of the table to [H, n*P, D] in dtype (inverse of seal_channel)."""
+    sel = (codes[page_table], scales[page_table].astype(mx.float32),
+           biases[page_table].astype(mx.float32))
+    x = mx.dequantize(*sel, group_size=group_size, bits=bits).swapaxes(-1, -2)  # [n, H, P/g, g, D]
+    n, h, groups, g, d = x.shape
+    return x.transpose(1, 0, 2, 3, 4).reshape(h, n * groups * g, d).astype(dtype)
+
+
 def dequant_rotated(codes, norms, codebook, page_table, dtype):
     """Pages of the table to [H, n*P, D] in the rotated space: norm * codebook[code]."""
     c = unpack(codes[page_table], 4)
