@@ -4,7 +4,7 @@
 reference|emulator forces one ("emulator" runs the same kernels' MSL through the CPU emulator, for
 tests). On "reference" nothing here runs and KVExec is unchanged. On a kernel backend, decode (1
 query) and verify (2-8 queries) gather the layer's quantized pages into the kernels' pool layout
-and sealing calls the seal kernels; every call the kernels cannot serve exactly as KVExec would
+(affine, rotated, or channel keys with affine values) and sealing calls the seal kernels; every call the kernels cannot serve exactly as KVExec would
 (sliding window, dense mask, sinks, prefill, unsupported head dim...) returns None, and KVExec's
 MLX-ops path runs it. Both paths take and return the same arrays.
 """
@@ -37,11 +37,14 @@ def _kernel_backend():
     return None if b == "reference" else b
 
 
-def _supported(codec) -> bool:
-    """True when a quantized page codec has a kernel: 4-bit attention, padded dim 64/128/256."""
-    if codec.name == "affine":
-        return codec.bits == 4 and codec.dim in KERNEL_DIMS
-    return codec.name == "rotated" and codec.dim in KERNEL_DIMS
+def _supported(ck, cv) -> bool:
+    """True when (key codec, value codec) has a kernel: 4-bit, one padded dim in 64/128/256, and
+    either one format for both (affine or rotated) or channel keys with affine values."""
+    if cv.name == "affine":
+        pair = cv.bits == 4 and ck.name in ("affine", "channel") and ck.bits == 4
+    else:
+        pair = ck.name == cv.name == "rotated"
+    return pair and ck.dim == cv.dim and ck.dim in KERNEL_DIMS
 
 
 def _pad(x, d):
@@ -51,7 +54,9 @@ def _pad(x, d):
 
 # ---- sealing ------------------------------------------------------------------------------------
 def seal(codec, x):
-    """Encode a full page [H, P, D] with the seal kernel, or None to let `codec.encode` do it."""
+    """Encode a full page [H, P, D] with the seal kernel, or None to let `codec.encode` do it.
+
+    Channel keys have no seal kernel: ChannelCodec.encode (MLX ops) seals them on every backend."""
     b = _kernel_backend()
     if b is None or codec.name not in ("affine", "rotated") or codec.dim not in KERNEL_DIMS:
         return None
@@ -98,9 +103,11 @@ def attention(queries, cache, scale, mask, sinks):
     v_pages = _pool([p.parts()[1] for p in quant])
     table = mx.arange(len(quant), dtype=mx.int32)
     k_recent, v_recent = (_recent(floats, which, cache, dim) for which in (0, 1))
-    kw = dict(scale=scale, rotation=None, group_size=getattr(ck, "group_size", 64), bits=4, backend=b)
+    kw = dict(scale=scale, rotation=None, group_size=getattr(cv, "group_size", 64), bits=4, backend=b)
     if ck.name == "rotated":
         kw["rotation"] = (ck.codebook, ck.signs, cv.signs)
+    elif ck.name == "channel":  # values keep their own group; keys are grouped along tokens
+        kw.update(key_format="channel", key_group=ck.group_size)
     q = _pad(queries[0], dim)
     fn = mk.decode_attention if L == 1 else mk.verify_attention
     o = fn(q, k_pages, v_pages, table, q_len, k_recent, v_recent, **kw)
@@ -114,10 +121,7 @@ def _plain(cache, L, hq, mask, sinks) -> bool:
         return False
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         return False  # PagedMask (sliding window) or a dense array mask
-    ck, cv = cache.codecs
-    if ck.name != cv.name or getattr(ck, "bits", 4) != getattr(cv, "bits", 4):
-        return False  # the kernels take one format for keys and values
-    if not (_supported(ck) and _supported(cv)) or cache.value_dim != cache.head_dim:
+    if not _supported(*cache.codecs) or cache.value_dim != cache.head_dim:
         return False
     H = cache.n_kv_heads
     return 1 <= L <= MAX_QUERIES and hq % H == 0 and hq // H <= 32
