@@ -64,9 +64,10 @@ def test_seal_signatures_match_mlx(capfd):
     _check(capfd, fn, x, s, cb, expect=2)
 
 
-@pytest.mark.parametrize("fmt", ["affine", "rotated"])
+@pytest.mark.parametrize("fmt", ["affine", "rotated", "channel"])
 def test_attention_signatures_match_mlx(capfd, fmt):
-    q, kp, vp, table, q_len, kr, vr, kw = case(fmt, mx.bfloat16, 128, 1, 3, 2, 32)
+    page = {"page": 64} if fmt == "channel" else {}  # channel key groups are 32+ tokens
+    q, kp, vp, table, q_len, kr, vr, kw = case(fmt, mx.bfloat16, 128, 1, 3, 2, 32, **page)
     n = len(kp)
 
     def fn(q, table, kr, vr, *pages):
