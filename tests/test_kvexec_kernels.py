@@ -11,8 +11,8 @@ from metal_kernels.emulator import available as emulator_available
 
 NO_EMULATOR = "g++ not found: the Metal emulator compiles kernels with g++"
 CONFIGS = [
-    KVConfig(bits=4, format="affine", group_size=32, page_size=32, quantized_kv_start=32),
-    KVConfig(bits=4, format="affine", group_size=64, page_size=32, quantized_kv_start=32),
+    KVConfig(bits=4, format="affine", key_format="affine", group_size=32, page_size=32, quantized_kv_start=32),
+    KVConfig(bits=4, format="affine", key_format="affine", group_size=64, page_size=32, quantized_kv_start=32),
     KVConfig(bits=4, format="rotated", page_size=32, quantized_kv_start=32),
 ]
 PROMPT = [(7 * i + 3) % 256 for i in range(90)]

@@ -39,12 +39,12 @@ def kv_config(name: str, page_size: Optional[int] = None, sinks: Optional[int] =
     from justfit.config import KVConfig
 
     base = {"justfit-default": KVConfig(), "justfit-fp16": KVConfig(bits=16),
-            "justfit-q4-affine": KVConfig(bits=4, format="affine"),
+            "justfit-q4-affine": KVConfig(bits=4, format="affine", key_format="affine"),
             "justfit-q4-rotated": KVConfig(bits=4, format="rotated"),
-            "justfit-q4-g32": KVConfig(bits=4, format="affine", group_size=32),
+            "justfit-q4-g32": KVConfig(bits=4, format="affine", key_format="affine", group_size=32),
             "justfit-q4-rotkeys": KVConfig(bits=4, format="affine", key_format="rotated"),
             "justfit-q4-rotkeys-g32": KVConfig(bits=4, format="affine", key_format="rotated", group_size=32),
-            "justfit-k8v4": KVConfig(bits=4, format="affine", key_bits=8),
+            "justfit-k8v4": KVConfig(bits=4, format="affine", key_format="affine", key_bits=8),
             "justfit-q4-chkeys": KVConfig(bits=4, format="affine", key_format="channel"),
             "justfit-q4-chkeys-g32": KVConfig(bits=4, format="affine", key_format="channel", group_size=32)}[name]
     if page_size is not None:
