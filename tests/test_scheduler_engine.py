@@ -133,3 +133,26 @@ def test_runtime_submit_generate_batch_and_async(rt):
 
     text, g = asyncio.run(main())
     assert text == g.text and g.tokens == gens[1].tokens[:5]
+
+
+def test_prefill_next_to_decoders_is_capped_and_a_lone_prompt_is_not(rt):
+    prompts = [rt.encode(_unique(f"Prompt {i}: list the planets of the solar system, with one fact each.")) for i in range(4)]
+    lone = _engine(rt, step_tokens=128, prefill_with_decode=8)
+    first = lone.submit(prompts[0], max_tokens=1)
+    rows = lone.step()
+    assert first.done and rows == len(prompts[0]) - first.stats.reused_tokens > 8  # nobody decodes: one step
+    eng = _engine(rt, step_tokens=128, prefill_with_decode=8)
+    reqs, capped = [], 0
+    while len(reqs) < len(prompts) or not all(r.done for r in reqs):
+        if len(reqs) < len(prompts) and eng.steps % 3 == 0:
+            reqs.append(eng.submit(prompts[len(reqs)], max_tokens=12))  # joins while others decode
+        decoding = any(len(r.feed) - r.cached == 1 for r in eng.running)
+        before = sum(r.stats.prefilled_tokens for r in reqs)
+        eng.step()
+        rows = sum(r.stats.prefilled_tokens for r in reqs) - before
+        if decoding:
+            assert rows <= 8, f"step {eng.steps}: {rows} prefill rows next to decoders"
+            capped += rows == 8
+    assert capped >= 3  # prompts really were prefilled in capped chunks next to decoders
+    for p, r in zip(prompts, reqs):
+        assert r.out == greedy_alone(rt, p, 12)
