@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional
 from .errors import MemoryBudgetError, UserError
 from .generation import Sampling, StopText
 from .models.vocab import check_token_ids, vocab_size
+from .statetrans.index import common_prefix
 from .turns import Chunk, Generation, Submitted, TurnStats
 
 STEP_TOKENS = 512  # rows of one forward pass: decoders first, prefill chunks fill the rest
@@ -360,7 +361,7 @@ class Engine:
             return None
         P = self.index.page_size
         for a in self.running:
-            common = _common_prefix(a.feed, r.feed, len(r.feed) - 1) // P * P
+            common = common_prefix(a.feed, r.feed, len(r.feed) - 1) // P * P
             if common > reused and a.cached < common:
                 return a
         return None
@@ -458,15 +459,6 @@ class Engine:
 
 def _no_phase(*args, **kwargs) -> float:
     return 0.0
-
-
-def _common_prefix(a: List[int], b: List[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a[:limit], b[:limit]):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _page_bytes(model, kv) -> Dict[str, int]:

@@ -156,3 +156,11 @@ def test_prefill_next_to_decoders_is_capped_and_a_lone_prompt_is_not(rt):
     assert capped >= 3  # prompts really were prefilled in capped chunks next to decoders
     for p, r in zip(prompts, reqs):
         assert r.out == greedy_alone(rt, p, 12)
+
+
+def test_common_prefix_counts_at_most_limit_items():
+    from justfit.statetrans.index import common_prefix
+
+    assert common_prefix([1, 2, 3, 4], [1, 2, 3, 5]) == 3
+    assert common_prefix([1, 2, 3, 4], [1, 2, 3, 4], limit=2) == 2  # a follower's last token is never shared
+    assert common_prefix([1, 2], [1, 2, 3], limit=5) == 2 and common_prefix([1], [1], limit=0) == 0
