@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional
 from .errors import MemoryBudgetError, UserError
 from .generation import Sampling, StopText
 from .models.vocab import check_token_ids, vocab_size
+from .scheduler_memory import KVBytes
 from .statetrans.index import common_prefix
 from .turns import Chunk, Generation, Submitted, TurnStats
 
@@ -93,7 +94,7 @@ class Engine:
         self.steps = 0
         self.preempted = 0
         self._ids = itertools.count()
-        self.page_bytes = _page_bytes(model, kv) if kv is not None else None
+        self.kv_bytes = KVBytes(model, kv) if kv is not None else None  # None: no KV arithmetic (0 bytes)
         self._executor = None
         self._stacks: dict = {}  # batched decode: stacked sealed pages reused across steps (kvexec/batch.py)
         self.pool = index.pool if index is not None else None  # set from the first cache otherwise
@@ -428,27 +429,22 @@ class Engine:
 
     def _grow_bytes(self, r: Request, n: int) -> int:
         """Bytes r's pages grow by when n more tokens are written after its cached ones."""
-        return self._seq_bytes(r.cached + n) - self._seq_bytes(r.cached)
+        return self.kv_bytes.grow(r.cached, n) if self.kv_bytes is not None else 0
 
     def _headroom(self) -> int:
         """Room kept free at admission: one more page for every running sequence, so admitting a request
         does not force a preemption a few steps later (no admit/preempt thrashing)."""
-        P = self.kv.page_size if self.kv is not None else 0
-        return sum(self._seq_bytes(len(r.feed) + P) - self._seq_bytes(len(r.feed)) for r in self.running)
+        if self.kv_bytes is None:
+            return 0
+        return sum(self.kv_bytes.grow(len(r.feed), self.kv.page_size) for r in self.running)
 
     def _seq_bytes(self, n_tokens: int) -> int:
-        """KV bytes of a sequence of n_tokens: sealed pages (full precision before quantized_kv_start,
-        quantized after) plus the open page, which is a full-precision buffer of a whole page."""
-        if self.page_bytes is None or n_tokens <= 0:
-            return 0
-        P = self.kv.page_size
-        sealed, partial = divmod(n_tokens, P)
-        fp = sealed if self.kv.bits == 16 else min(sealed, -(-self.kv.quantized_kv_start // P))
-        return fp * self.page_bytes["fp"] + (sealed - fp) * self.page_bytes["q"] + bool(partial) * self.page_bytes["fp"]
+        """KV bytes of a sequence of n_tokens (scheduler_memory.KVBytes; bench/batch.py reads it too)."""
+        return self.kv_bytes.seq(n_tokens) if self.kv_bytes is not None else 0
 
     def _worst_bytes(self, n_tokens: int) -> int:
-        """KV bytes one request of n_tokens can reach (its last page open)."""
-        return self._seq_bytes(n_tokens) + (self.page_bytes["fp"] if self.page_bytes and n_tokens % self.kv.page_size == 0 else 0)
+        """KV bytes one request of n_tokens can reach."""
+        return self.kv_bytes.worst(n_tokens) if self.kv_bytes is not None else 0
 
     # -- reporting ---------------------------------------------------------------------------------
     def report(self) -> Dict[str, int]:
@@ -459,26 +455,6 @@ class Engine:
 
 def _no_phase(*args, **kwargs) -> float:
     return 0.0
-
-
-def _page_bytes(model, kv) -> Dict[str, int]:
-    """Bytes of one page id across all layers: 'fp' (open or full precision, float32) and 'q' (sealed)."""
-    import math
-
-    a = model.args
-    layers = len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
-    heads = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
-    dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
-    per_token_fp = 2 * heads * dim * 4
-    if kv.bits == 16:
-        per_token_q = per_token_fp
-    elif kv.format == "rotated":
-        dp = 1 << max(0, (dim - 1).bit_length())
-        per_token_q = 2 * heads * (dp // 2 + 2)
-    else:
-        dp = math.ceil(dim / kv.group_size) * kv.group_size
-        per_token_q = 2 * heads * (dp * kv.bits // 8 + 2 * 4 * dp // kv.group_size)
-    return {"fp": layers * kv.page_size * per_token_fp, "q": layers * kv.page_size * per_token_q}
 
 
 class AsyncRequest:

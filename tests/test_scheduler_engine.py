@@ -105,7 +105,7 @@ def test_preemption_under_a_tiny_budget_gives_the_same_tokens(rt):
     free = _engine(rt)
     ref = free.run([free.submit(p, max_tokens=32) for p in prompts])
     # room for two prompts plus one page: both grow by a page or more while decoding, so one is preempted
-    budget = 2 * free._seq_bytes(max(map(len, prompts))) + free.page_bytes["fp"]
+    budget = 2 * free.kv_bytes.seq(max(map(len, prompts))) + free.kv_bytes.open
     eng = _engine(rt, budget_bytes=budget)
     reqs = [eng.submit(p, max_tokens=32) for p in prompts]
     gens = eng.run(reqs)
