@@ -201,7 +201,7 @@ class Engine:
         if self.drafter is None or len(self.running) != 1:
             return None
         r = self.running[0]
-        if len(r.feed) - r.cached != 1 or not r.out or not r.sampling.plain_greedy:
+        if not _decoding(r) or not r.sampling.plain_greedy:
             return None
         return r
 
@@ -372,13 +372,13 @@ class Engine:
         step_tokens and, while anyone decodes, within prefill_with_decode rows (a long prefill must not
         stall the decoders); preempts the youngest when the KV budget cannot hold the step."""
         while True:
-            plan = [(r, 1) for r in self.running if len(r.feed) - r.cached == 1]
+            plan = [(r, 1) for r in self.running if _decoding(r)]
             budget = self.step_tokens - len(plan)
             if plan:
                 budget = min(budget, self.prefill_with_decode)
             for r in self.running:
                 left = len(r.feed) - r.cached
-                if left > 1 and budget > 0:
+                if left and budget > 0 and not _decoding(r):
                     plan.append((r, min(left, budget)))
                     budget -= plan[-1][1]
             if not plan:
@@ -451,6 +451,11 @@ class Engine:
         return {"queued": len(self.queue), "running": len(self.running), "steps": self.steps,
                 "preempted": self.preempted, "kv_bytes": self.used_bytes(),
                 "budget_bytes": self.budget_bytes or 0, **self.counts}
+
+
+def _decoding(r: Request) -> bool:
+    """r's next row is the token it sampled last (a decode row; a prompt's last row is prefill)."""
+    return len(r.feed) - r.cached == 1 and bool(r.out)
 
 
 def _no_phase(*args, **kwargs) -> float:

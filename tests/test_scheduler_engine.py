@@ -146,7 +146,7 @@ def test_prefill_next_to_decoders_is_capped_and_a_lone_prompt_is_not(rt):
     while len(reqs) < len(prompts) or not all(r.done for r in reqs):
         if len(reqs) < len(prompts) and eng.steps % 3 == 0:
             reqs.append(eng.submit(prompts[len(reqs)], max_tokens=12))  # joins while others decode
-        decoding = any(len(r.feed) - r.cached == 1 for r in eng.running)
+        decoding = any(len(r.feed) - r.cached == 1 and r.out for r in eng.running)
         before = sum(r.stats.prefilled_tokens for r in reqs)
         eng.step()
         rows = sum(r.stats.prefilled_tokens for r in reqs) - before
