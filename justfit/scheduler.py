@@ -153,7 +153,6 @@ class Engine:
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> int:
         """Admit, assemble and run one batched forward pass, sample, emit. Returns rows computed."""
-        from .kvexec.batch import BatchPlan, forward
         import mlx.core as mx
 
         with self.lock:
@@ -167,18 +166,18 @@ class Engine:
             if self.residency is not None:
                 self.residency.enter("decode")
             t0 = time.perf_counter()
-            segs = BatchPlan([(r.caches, n) for r, n in plan], self._stacks)
             ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
-            logits = forward(self.model, segs, ids)
+            logits = self._forward(plan, ids)
             for r, n in plan:
                 first_time = max(0, r.cached + n - max(len(r.prompt), r.high, r.cached))  # generated ids fed once
                 r.stats.prefilled_tokens += n - first_time  # prompt rows and recomputed rows, not decode rows
                 r.cached += n
                 r.high = max(r.high, r.cached)
-            mx.eval(logits, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
+            greedy = mx.argmax(logits, axis=-1)  # every plain greedy row's token, in the same evaluation
+            mx.eval(logits, greedy, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
             self.steps += 1
             now = time.perf_counter()
-            greedy = mx.argmax(logits, axis=-1).tolist()  # one evaluation for every plain greedy row
+            greedy = greedy.tolist()
             if lone is not None and self.gate is not None and plan == [(lone, 1)]:
                 self.gate.plain(time.perf_counter() - t0)  # what a plain step costs, for the drafting gate
             for j, (r, n) in enumerate(plan):
@@ -186,6 +185,18 @@ class Engine:
                 if r.cached == len(r.feed):
                     self._take(r, self._choose(r, logits[j], greedy[j]), now)
             return len(ids)
+
+    def _forward(self, plan: List[tuple], ids: List[int]):
+        """Logits [len(plan), vocab] at each request's last row. A lone decode row runs mlx-lm's
+        single-sequence call on its own caches: at c=1 that is the plain token loop (measured ~13 ms/step
+        less on CPU than the batched pass, whose decode attention stacks a padded page run every step)."""
+        import mlx.core as mx
+
+        from .kvexec.batch import BatchPlan, forward
+
+        if len(plan) == 1 and plan[0][1] == 1:
+            return self.model(mx.array([ids]), cache=plan[0][0].caches)[:, -1]
+        return forward(self.model, BatchPlan([(r.caches, n) for r, n in plan], self._stacks), ids)
 
     def _publish_sealed(self, r: Request, before: int):
         """Index pages r sealed since it held `before` tokens, so followers attach them now."""

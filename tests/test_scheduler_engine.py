@@ -164,3 +164,14 @@ def test_common_prefix_counts_at_most_limit_items():
     assert common_prefix([1, 2, 3, 4], [1, 2, 3, 5]) == 3
     assert common_prefix([1, 2, 3, 4], [1, 2, 3, 4], limit=2) == 2  # a follower's last token is never shared
     assert common_prefix([1, 2], [1, 2, 3], limit=5) == 2 and common_prefix([1], [1], limit=0) == 0
+
+
+def test_a_lone_decoder_runs_the_single_sequence_call(rt, monkeypatch):
+    import justfit.kvexec.batch as batch
+
+    batched, rows = batch.forward, []
+    monkeypatch.setattr(batch, "forward", lambda model, plan, ids: rows.append(plan.rows) or batched(model, plan, ids))
+    ids = rt.encode(_unique("Name three colors."))
+    r = _engine(rt).submit(ids, max_tokens=6)
+    assert r.result().tokens == greedy_alone(rt, ids, 6)
+    assert len(rows) == 1 and rows[0] > 1  # only the prefill went through the batched pass, no decode step
