@@ -25,11 +25,12 @@ from .statetrans.index import common_prefix
 from .turns import Chunk, Generation, Submitted, TurnStats
 
 STEP_TOKENS = 512  # rows of one forward pass: decoders first, prefill chunks fill the rest
-# Prefill rows in a step that also decodes. Measured on the 2-core CPU (c=8, 512-token prompts): a
-# decode-only step ~0.1 s, a step with ~500 prefill rows ~3.3 s, so a prefill row adds ~6.4 ms to every
-# decoder's inter-token latency. 64 rows bound a decode step to ~0.5 s (ITL p99 ~6x lower than 3.3 s)
-# while prefill keeps ~80% of its rows/s (the ~0.1 s fixed step cost spread over 64 rows instead of 500);
-# with nobody decoding the whole STEP_TOKENS goes to prefill, so a lone request's TTFT is unchanged.
+# Prefill rows in a step that also decodes. Bench batch on the 2-core CPU (c=8, 512-token prompts): a
+# decode-only step ~0.1 s, a step with ~500 prefill rows ~3.3 s, so each prefill row adds ~6.4 ms to every
+# decoder's inter-token latency. 64 rows bound such a step to ~0.5 s (ITL p99 ~6x lower) while prefill
+# keeps ~80% of its rows/s (the ~0.1 s fixed step cost spread over 64 rows instead of 500); fewer rows
+# would cost prefill (TTFT under load) more than they save the decoders. With nobody decoding the whole
+# STEP_TOKENS goes to prefill, so a lone request's TTFT is unchanged.
 PREFILL_WITH_DECODE = 64
 MAX_BATCH = 64  # sequences running at once
 QUEUED, WAITING, RUNNING, DONE = "queued", "waiting", "running", "done"
