@@ -25,13 +25,13 @@ from .statetrans.index import common_prefix
 from .turns import Chunk, Generation, Submitted, TurnStats
 
 STEP_TOKENS = 512  # rows of one forward pass: decoders first, prefill chunks fill the rest
-# Prefill rows in a step that also decodes. Bench batch on the 2-core CPU (c=8, 512-token prompts): a
-# decode-only step ~0.1 s, a step with ~500 prefill rows ~3.3 s, so each prefill row adds ~6.4 ms to every
-# decoder's inter-token latency. 64 rows bound such a step to ~0.5 s (ITL p99 ~6x lower) while prefill
-# keeps ~80% of its rows/s (the ~0.1 s fixed step cost spread over 64 rows instead of 500); fewer rows
-# would cost prefill (TTFT under load) more than they save the decoders. With nobody decoding the whole
-# STEP_TOKENS goes to prefill, so a lone request's TTFT is unchanged.
-PREFILL_WITH_DECODE = 64
+# Prefill rows in a step that also decodes. Each such row delays every decoder (~6.4 ms a row on the 2-core
+# CPU: 500 rows ~3.3 s vs a decode-only step ~0.1 s), and each step has ~0.1 s of fixed cost, so small
+# chunks slow prefill. Test model, c=8 x 512-token prompts, loaded CPU (cap: wall s, ITL p50/p99 s, TTFT
+# p50/max s): none: 39.1, 0.40/3.92, 22.1/30.6; 64: 40.9, 0.55/1.40, 22.1/36.8; 128: 36.1, 0.87/1.27,
+# 19.0/31.4. 128 bounds the stall without costing prefill throughput; 64 shortens steps to ~0.55 s but
+# delays the last first token ~20%. Nobody decoding: all STEP_TOKENS prefill (a lone TTFT is unchanged).
+PREFILL_WITH_DECODE = 128
 MAX_BATCH = 64  # sequences running at once
 QUEUED, WAITING, RUNNING, DONE = "queued", "waiting", "running", "done"
 
