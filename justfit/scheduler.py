@@ -189,8 +189,8 @@ class Engine:
 
     def _forward(self, plan: List[tuple], ids: List[int]):
         """Logits [len(plan), vocab] at each request's last row. A lone decode row runs mlx-lm's
-        single-sequence call on its own caches: at c=1 that is the plain token loop (measured ~13 ms/step
-        less on CPU than the batched pass, whose decode attention stacks a padded page run every step)."""
+        single-sequence call on its own caches: at c=1 that is the plain token loop (4-13 ms/step less on
+        the 2-core CPU than the batched pass, whose decode attention stacks a padded page run every step)."""
         import mlx.core as mx
 
         from .kvexec.batch import BatchPlan, forward
