@@ -20,9 +20,18 @@ from typing import Callable, Dict, List, Optional
 from .errors import MemoryBudgetError, UserError
 from .generation import Sampling, StopText
 from .models.vocab import check_token_ids, vocab_size
+from .scheduler_memory import KVBytes
+from .statetrans.index import common_prefix
 from .turns import Chunk, Generation, Submitted, TurnStats
 
 STEP_TOKENS = 512  # rows of one forward pass: decoders first, prefill chunks fill the rest
+# Prefill rows in a step that also decodes. Each such row delays every decoder (~6.4 ms a row on the 2-core
+# CPU: 500 rows ~3.3 s vs a decode-only step ~0.1 s), and each step has ~0.1 s of fixed cost, so small
+# chunks slow prefill. Test model, c=8 x 512-token prompts, loaded CPU (cap: wall s, ITL p50/p99 s, TTFT
+# p50/max s): none: 39.1, 0.40/3.92, 22.1/30.6; 64: 40.9, 0.55/1.40, 22.1/36.8; 128: 36.1, 0.87/1.27,
+# 19.0/31.4. 128 bounds the stall without costing prefill throughput; 64 shortens steps to ~0.55 s but
+# delays the last first token ~20%. Nobody decoding: all STEP_TOKENS prefill (a lone TTFT is unchanged).
+PREFILL_WITH_DECODE = 128
 MAX_BATCH = 64  # sequences running at once
 QUEUED, WAITING, RUNNING, DONE = "queued", "waiting", "running", "done"
 
@@ -67,12 +76,15 @@ class Engine:
     def __init__(self, model, tokenizer, make_cache: Callable[[], list], index=None, kv=None,
                  budget_bytes: Optional[int] = None, step_tokens: int = STEP_TOKENS, max_batch: int = MAX_BATCH,
                  context: Optional[int] = None, residency=None, eos: Optional[set] = None, drafter=None,
-                 gate=None):
+                 gate=None, prefill_with_decode: int = PREFILL_WITH_DECODE):
         self.model, self.tokenizer, self.make_cache, self.index = model, tokenizer, make_cache, index
         self.drafter, self.gate = drafter, gate  # a lone plain-greedy request decodes speculatively
         self.counts = {"draft_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0}
         self.kv, self.budget_bytes = kv, budget_bytes
         self.step_tokens, self.max_batch, self.residency = step_tokens, max_batch, residency
+        if prefill_with_decode < 1:
+            raise UserError(f"prefill_with_decode must be >= 1 row, not {prefill_with_decode}")
+        self.prefill_with_decode = prefill_with_decode  # prefill rows of a step that also decodes
         args = getattr(model, "args", None)
         self.context = context or getattr(args, "max_position_embeddings", None) or 1 << 20
         self.vocab = vocab_size(model)
@@ -83,7 +95,7 @@ class Engine:
         self.steps = 0
         self.preempted = 0
         self._ids = itertools.count()
-        self.page_bytes = _page_bytes(model, kv) if kv is not None else None
+        self.kv_bytes = KVBytes(model, kv) if kv is not None else None  # None: no KV arithmetic (0 bytes)
         self._executor = None
         self._stacks: dict = {}  # batched decode: stacked sealed pages reused across steps (kvexec/batch.py)
         self.pool = index.pool if index is not None else None  # set from the first cache otherwise
@@ -142,7 +154,6 @@ class Engine:
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> int:
         """Admit, assemble and run one batched forward pass, sample, emit. Returns rows computed."""
-        from .kvexec.batch import BatchPlan, forward
         import mlx.core as mx
 
         with self.lock:
@@ -156,18 +167,18 @@ class Engine:
             if self.residency is not None:
                 self.residency.enter("decode")
             t0 = time.perf_counter()
-            segs = BatchPlan([(r.caches, n) for r, n in plan], self._stacks)
             ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
-            logits = forward(self.model, segs, ids)
+            logits = self._forward(plan, ids)
             for r, n in plan:
                 first_time = max(0, r.cached + n - max(len(r.prompt), r.high, r.cached))  # generated ids fed once
                 r.stats.prefilled_tokens += n - first_time  # prompt rows and recomputed rows, not decode rows
                 r.cached += n
                 r.high = max(r.high, r.cached)
-            mx.eval(logits, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
+            greedy = mx.argmax(logits, axis=-1)  # every plain greedy row's token, in the same evaluation
+            mx.eval(logits, greedy, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
             self.steps += 1
             now = time.perf_counter()
-            greedy = mx.argmax(logits, axis=-1).tolist()  # one evaluation for every plain greedy row
+            greedy = greedy.tolist()
             if lone is not None and self.gate is not None and plan == [(lone, 1)]:
                 self.gate.plain(time.perf_counter() - t0)  # what a plain step costs, for the drafting gate
             for j, (r, n) in enumerate(plan):
@@ -175,6 +186,18 @@ class Engine:
                 if r.cached == len(r.feed):
                     self._take(r, self._choose(r, logits[j], greedy[j]), now)
             return len(ids)
+
+    def _forward(self, plan: List[tuple], ids: List[int]):
+        """Logits [len(plan), vocab] at each request's last row. A lone decode row runs mlx-lm's
+        single-sequence call on its own caches: at c=1 that is the plain token loop (4-13 ms/step less on
+        the 2-core CPU than the batched pass, whose decode attention stacks a padded page run every step)."""
+        import mlx.core as mx
+
+        from .kvexec.batch import BatchPlan, forward
+
+        if len(plan) == 1 and plan[0][1] == 1:
+            return self.model(mx.array([ids]), cache=plan[0][0].caches)[:, -1]
+        return forward(self.model, BatchPlan([(r.caches, n) for r, n in plan], self._stacks), ids)
 
     def _publish_sealed(self, r: Request, before: int):
         """Index pages r sealed since it held `before` tokens, so followers attach them now."""
@@ -190,7 +213,7 @@ class Engine:
         if self.drafter is None or len(self.running) != 1:
             return None
         r = self.running[0]
-        if len(r.feed) - r.cached != 1 or not r.out or not r.sampling.plain_greedy:
+        if not _decoding(r) or not r.sampling.plain_greedy:
             return None
         return r
 
@@ -351,23 +374,23 @@ class Engine:
             return None
         P = self.index.page_size
         for a in self.running:
-            common = _common_prefix(a.feed, r.feed, len(r.feed) - 1) // P * P
+            common = common_prefix(a.feed, r.feed, len(r.feed) - 1) // P * P
             if common > reused and a.cached < common:
                 return a
         return None
 
     def _assemble(self) -> List[tuple]:
         """[(request, rows)] for this step: every decoder one token, then prefill chunks oldest first, within
-        step_tokens; preempts the youngest when the KV budget cannot hold the step."""
+        step_tokens and, while anyone decodes, within prefill_with_decode rows (a long prefill must not
+        stall the decoders); preempts the youngest when the KV budget cannot hold the step."""
         while True:
-            plan, budget = [], self.step_tokens
-            for r in self.running:
-                if len(r.feed) - r.cached == 1:
-                    plan.append((r, 1))
-                    budget -= 1
+            plan = [(r, 1) for r in self.running if _decoding(r)]
+            budget = self.step_tokens - len(plan)
+            if plan:
+                budget = min(budget, self.prefill_with_decode)
             for r in self.running:
                 left = len(r.feed) - r.cached
-                if left > 1 and budget > 0:
+                if left and budget > 0 and not _decoding(r):
                     plan.append((r, min(left, budget)))
                     budget -= plan[-1][1]
             if not plan:
@@ -418,27 +441,22 @@ class Engine:
 
     def _grow_bytes(self, r: Request, n: int) -> int:
         """Bytes r's pages grow by when n more tokens are written after its cached ones."""
-        return self._seq_bytes(r.cached + n) - self._seq_bytes(r.cached)
+        return self.kv_bytes.grow(r.cached, n) if self.kv_bytes is not None else 0
 
     def _headroom(self) -> int:
         """Room kept free at admission: one more page for every running sequence, so admitting a request
         does not force a preemption a few steps later (no admit/preempt thrashing)."""
-        P = self.kv.page_size if self.kv is not None else 0
-        return sum(self._seq_bytes(len(r.feed) + P) - self._seq_bytes(len(r.feed)) for r in self.running)
+        if self.kv_bytes is None:
+            return 0
+        return sum(self.kv_bytes.grow(len(r.feed), self.kv.page_size) for r in self.running)
 
     def _seq_bytes(self, n_tokens: int) -> int:
-        """KV bytes of a sequence of n_tokens: sealed pages (full precision before quantized_kv_start,
-        quantized after) plus the open page, which is a full-precision buffer of a whole page."""
-        if self.page_bytes is None or n_tokens <= 0:
-            return 0
-        P = self.kv.page_size
-        sealed, partial = divmod(n_tokens, P)
-        fp = sealed if self.kv.bits == 16 else min(sealed, -(-self.kv.quantized_kv_start // P))
-        return fp * self.page_bytes["fp"] + (sealed - fp) * self.page_bytes["q"] + bool(partial) * self.page_bytes["fp"]
+        """KV bytes of a sequence of n_tokens (scheduler_memory.KVBytes; bench/batch.py reads it too)."""
+        return self.kv_bytes.seq(n_tokens) if self.kv_bytes is not None else 0
 
     def _worst_bytes(self, n_tokens: int) -> int:
-        """KV bytes one request of n_tokens can reach (its last page open)."""
-        return self._seq_bytes(n_tokens) + (self.page_bytes["fp"] if self.page_bytes and n_tokens % self.kv.page_size == 0 else 0)
+        """KV bytes one request of n_tokens can reach."""
+        return self.kv_bytes.worst(n_tokens) if self.kv_bytes is not None else 0
 
     # -- reporting ---------------------------------------------------------------------------------
     def report(self) -> Dict[str, int]:
@@ -447,37 +465,13 @@ class Engine:
                 "budget_bytes": self.budget_bytes or 0, **self.counts}
 
 
+def _decoding(r: Request) -> bool:
+    """r's next row is the token it sampled last (a decode row; a prompt's last row is prefill)."""
+    return len(r.feed) - r.cached == 1 and bool(r.out)
+
+
 def _no_phase(*args, **kwargs) -> float:
     return 0.0
-
-
-def _common_prefix(a: List[int], b: List[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a[:limit], b[:limit]):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _page_bytes(model, kv) -> Dict[str, int]:
-    """Bytes of one page id across all layers: 'fp' (open or full precision, float32) and 'q' (sealed)."""
-    import math
-
-    a = model.args
-    layers = len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
-    heads = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
-    dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
-    per_token_fp = 2 * heads * dim * 4
-    if kv.bits == 16:
-        per_token_q = per_token_fp
-    elif kv.format == "rotated":
-        dp = 1 << max(0, (dim - 1).bit_length())
-        per_token_q = 2 * heads * (dp // 2 + 2)
-    else:
-        dp = math.ceil(dim / kv.group_size) * kv.group_size
-        per_token_q = 2 * heads * (dp * kv.bits // 8 + 2 * 4 * dp // kv.group_size)
-    return {"fp": layers * kv.page_size * per_token_fp, "q": layers * kv.page_size * per_token_q}
 
 
 class AsyncRequest:

@@ -105,7 +105,7 @@ def test_preemption_under_a_tiny_budget_gives_the_same_tokens(rt):
     free = _engine(rt)
     ref = free.run([free.submit(p, max_tokens=32) for p in prompts])
     # room for two prompts plus one page: both grow by a page or more while decoding, so one is preempted
-    budget = 2 * free._seq_bytes(max(map(len, prompts))) + free.page_bytes["fp"]
+    budget = 2 * free.kv_bytes.seq(max(map(len, prompts))) + free.kv_bytes.open
     eng = _engine(rt, budget_bytes=budget)
     reqs = [eng.submit(p, max_tokens=32) for p in prompts]
     gens = eng.run(reqs)
@@ -133,3 +133,45 @@ def test_runtime_submit_generate_batch_and_async(rt):
 
     text, g = asyncio.run(main())
     assert text == g.text and g.tokens == gens[1].tokens[:5]
+
+
+def test_prefill_next_to_decoders_is_capped_and_a_lone_prompt_is_not(rt):
+    prompts = [rt.encode(_unique(f"Prompt {i}: list the planets of the solar system, with one fact each.")) for i in range(4)]
+    lone = _engine(rt, step_tokens=128, prefill_with_decode=8)
+    first = lone.submit(prompts[0], max_tokens=1)
+    rows = lone.step()
+    assert first.done and rows == len(prompts[0]) - first.stats.reused_tokens > 8  # nobody decodes: one step
+    eng = _engine(rt, step_tokens=128, prefill_with_decode=8)
+    reqs, capped = [], 0
+    while len(reqs) < len(prompts) or not all(r.done for r in reqs):
+        if len(reqs) < len(prompts) and eng.steps % 3 == 0:
+            reqs.append(eng.submit(prompts[len(reqs)], max_tokens=12))  # joins while others decode
+        decoding = any(len(r.feed) - r.cached == 1 and r.out for r in eng.running)
+        before = sum(r.stats.prefilled_tokens for r in reqs)
+        eng.step()
+        rows = sum(r.stats.prefilled_tokens for r in reqs) - before
+        if decoding:
+            assert rows <= 8, f"step {eng.steps}: {rows} prefill rows next to decoders"
+            capped += rows == 8
+    assert capped >= 3  # prompts really were prefilled in capped chunks next to decoders
+    for p, r in zip(prompts, reqs):
+        assert r.out == greedy_alone(rt, p, 12)
+
+
+def test_common_prefix_counts_at_most_limit_items():
+    from justfit.statetrans.index import common_prefix
+
+    assert common_prefix([1, 2, 3, 4], [1, 2, 3, 5]) == 3
+    assert common_prefix([1, 2, 3, 4], [1, 2, 3, 4], limit=2) == 2  # a follower's last token is never shared
+    assert common_prefix([1, 2], [1, 2, 3], limit=5) == 2 and common_prefix([1], [1], limit=0) == 0
+
+
+def test_a_lone_decoder_runs_the_single_sequence_call(rt, monkeypatch):
+    import justfit.kvexec.batch as batch
+
+    batched, rows = batch.forward, []
+    monkeypatch.setattr(batch, "forward", lambda model, plan, ids: rows.append(plan.rows) or batched(model, plan, ids))
+    ids = rt.encode(_unique("Name three colors."))
+    r = _engine(rt).submit(ids, max_tokens=6)
+    assert r.result().tokens == greedy_alone(rt, ids, 6)
+    assert len(rows) == 1 and rows[0] > 1  # only the prefill went through the batched pass, no decode step

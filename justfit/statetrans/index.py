@@ -223,13 +223,12 @@ class PrefixIndex:
         return {p["hash"] for m in list_manifests(self.home) for p in m.pages}
 
 
-def common_prefix(a, b) -> int:
-    """How many leading items two token lists share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
+def common_prefix(a, b, limit: Optional[int] = None) -> int:
+    """How many leading items two token lists share, counting at most `limit` of them."""
+    n = min(len(a), len(b)) if limit is None else max(0, min(len(a), len(b), limit))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
     return n
 
 
