@@ -197,7 +197,22 @@ class Engine:
 
         if len(plan) == 1 and plan[0][1] == 1:
             return self.model(mx.array([ids]), cache=plan[0][0].caches)[:, -1]
-        return forward(self.model, BatchPlan([(r.caches, n) for r, n in plan], self._stacks), ids)
+        return forward(self.model, BatchPlan([(r.caches, n) for r, n in plan], self._memo(plan)), ids)
+
+    def _memo(self, plan: List[tuple]) -> Optional[dict]:
+        """The stacked sealed pages to keep between steps, or None (and none kept) when pages plus stacks
+        would pass the budget: the stacks are a speed cache, about one more copy of the decoders' sealed
+        pages, each padded to the longest decoder's, so the budget counts them (see used_bytes)."""
+        if self.budget_bytes is None or self.kv_bytes is None:
+            return self._stacks
+        P = self.kv.page_size
+        decoders = [r for r, n in plan if n == 1 and _decoding(r)]
+        longest = max((r.cached // P * P for r in decoders), default=0)
+        stacks = len(decoders) * self.kv_bytes.seq(longest)
+        if self.pool.nbytes + stacks <= self.budget_bytes:
+            return self._stacks
+        self._stacks.clear()
+        return None
 
     def _publish_sealed(self, r: Request, before: int):
         """Index pages r sealed since it held `before` tokens, so followers attach them now."""
@@ -427,12 +442,18 @@ class Engine:
             self.index.evict_memory(self.budget_bytes // 2)
 
     def used_bytes(self) -> int:
-        """Bytes of every page in the pool: running sequences' and cached prefixes'."""
-        return self.pool.nbytes if self.pool is not None else 0
+        """Bytes of every page in the pool (running sequences' and cached prefixes') plus the stacked copies
+        of sealed pages batched decode keeps between steps."""
+        from .kvexec.batch import memo_nbytes
+
+        return (self.pool.nbytes if self.pool is not None else 0) + memo_nbytes(self._stacks)
 
     def _fits(self, need: int) -> bool:
         if self.budget_bytes is None:
             return True
+        if self.used_bytes() + need <= self.budget_bytes:
+            return True
+        self._stacks.clear()  # stacked copies go first: one step rebuilds them
         if self.used_bytes() + need <= self.budget_bytes:
             return True
         if self.index is not None:  # cold cached prefixes go first

@@ -175,3 +175,31 @@ def test_a_lone_decoder_runs_the_single_sequence_call(rt, monkeypatch):
     r = _engine(rt).submit(ids, max_tokens=6)
     assert r.result().tokens == greedy_alone(rt, ids, 6)
     assert len(rows) == 1 and rows[0] > 1  # only the prefill went through the batched pass, no decode step
+
+
+def test_stacked_pages_count_in_the_budget(rt):
+    """Batched decode keeps stacked copies of sealed pages between steps; they count in used_bytes, and
+    under a budget that holds the pages but not the copies none are kept, with the same tokens."""
+    from justfit.kvexec.batch import memo_nbytes
+
+    text = "Tide gauge log, entry {}. The pier reading rose and fell with the wind all night. "
+    prompts = [rt.encode(_unique(text.format(i) * 4)) for i in range(3)]
+
+    def run(eng):
+        reqs = [eng.submit(p, max_tokens=6) for p in prompts]
+        kept = 0
+        while not all(r.done for r in reqs):
+            eng.step()
+            kept = max(kept, memo_nbytes(eng._stacks))
+            assert eng.used_bytes() == eng.pool.nbytes + memo_nbytes(eng._stacks)
+            if eng.budget_bytes is not None:
+                assert eng.used_bytes() <= eng.budget_bytes
+        return [r.result().tokens for r in reqs], kept
+
+    free = _engine(rt)
+    pages = sum(free.kv_bytes.worst(len(p) + 6) for p in prompts) + len(prompts) * free.kv_bytes.open
+    tight = _engine(rt, budget_bytes=rt.index.pool.nbytes + pages)  # the pages fit, their stacks do not
+    got, kept = run(tight)
+    assert kept == 0 and tight.preempted == 0
+    ref, kept = run(free)  # (attaches the pages the tight run cached: same tokens either way)
+    assert kept > 0 and got == ref  # three decoders with sealed pages: without a budget stacks are kept

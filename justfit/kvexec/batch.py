@@ -158,6 +158,13 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
     return out.reshape(B, Hq, -1)
 
 
+def memo_nbytes(memo: Optional[dict]) -> int:
+    """Bytes of the stacked page copies a decode memo holds (a budget counts them with the pages)."""
+    if not memo:
+        return 0
+    return sum(a.nbytes for _, _, (k, v, _) in memo.values() for a in (*k, *v))
+
+
 def _memo_run(memo: dict, slot: tuple, lists, p0: int, p1: int, P: int, codecs):
     """_stack_run of sealed pages, reused from `memo` while every row's pages in the run are the same
     objects (the entry holds them, so their ids cannot be reused meanwhile); one entry per slot."""
