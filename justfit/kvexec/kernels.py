@@ -4,9 +4,10 @@
 reference|emulator forces one ("emulator" runs the same kernels' MSL through the CPU emulator, for
 tests). On "reference" nothing here runs and KVExec is unchanged. On a kernel backend, decode (1
 query) and verify (2-8 queries) gather the layer's quantized pages into the kernels' pool layout
-(affine, rotated, or channel keys with affine values) and sealing calls the seal kernels; every call the kernels cannot serve exactly as KVExec would
-(sliding window, dense mask, sinks, prefill, unsupported head dim...) returns None, and KVExec's
-MLX-ops path runs it. Both paths take and return the same arrays.
+(affine, rotated, or channel keys with affine values) and sealing calls the seal kernels; every call
+the kernels cannot serve exactly as KVExec would (sliding window, dense mask, sinks, prefill,
+unsupported head dim...) returns None, and KVExec's MLX-ops path runs it. Both paths take and
+return the same arrays.
 """
 
 from collections import Counter
