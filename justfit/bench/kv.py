@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -253,7 +254,7 @@ def _load():
 
 def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: int, prefill_layers: int,
         prompts: int, tokens: int, stress_page: Optional[int], systems, budgets, document: bool,
-        probe=(4096, 8192), chat: bool = True) -> dict:
+        probe=(4096, 8192), chat: bool = True, document_text: Optional[str] = None) -> dict:
     import mlx.core as mx
     import mlx_lm
 
@@ -281,7 +282,7 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
     quality = []
     if prompts > 0 or document:
         quality = kv_quality.run(model, tokenizer, systems, _factory, prompts, tokens, stress_page, document, chat,
-                                  kv_config=kv_config)
+                                  kv_config=kv_config, document_text=document_text)
     default = next((n for n in systems if n.startswith("justfit") and kv_config(n) == KVConfig()), None)
     return {
         "bench": "kv", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
@@ -303,6 +304,19 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
         "rows": rows,
         "quality": quality,
     }
+
+
+def _read_document(path: Path) -> str:
+    """The text of --document-file, or a one-line UserError (missing, unreadable, not UTF-8, empty)."""
+    from justfit.errors import UserError
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --document-file {path}: {e}") from None
+    if not text.strip():
+        raise UserError(f"--document-file {path} is empty")
+    return text
 
 
 def _ints(text: str, what: str):
@@ -328,6 +342,7 @@ def kv(
     tokens: int = typer.Option(48, "--tokens", help="Greedy trajectory length per prompt."),
     stress_page: int = typer.Option(32, "--stress-page", help="Extra quality rows at this page size (0: none)."),
     document: bool = typer.Option(True, "--document/--no-document", help="Quality rows on the long held-out document."),
+    document_file: Optional[Path] = typer.Option(None, "--document-file", help="A UTF-8 text file to use as the document instead of the built-in one (first 2,048 tokens)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Quality rows on the short chats with the default layout."),
     systems: str = typer.Option(",".join(DEFAULT_SYSTEMS), "--systems", help=f"Comma-separated, among {', '.join(SYSTEM_NAMES)}."),
     capacity_probe: str = typer.Option("4096,8192", "--capacity-probe", help="Two contexts where capacity measures the workspace."),
@@ -351,8 +366,11 @@ def kv(
     unknown = [n for n in names if n not in SYSTEM_NAMES]
     if unknown or not names or rounds < 1 or steps < 1:
         raise UserError(f"--systems must be among {', '.join(SYSTEM_NAMES)}; --rounds and --steps at least 1")
+    text = _read_document(document_file) if document_file is not None else None
     result = run(model, ctxs, steps, rounds, full_prefill_max, prefill_layers, prompts, tokens, stress_page or None,
-                 names, budget_list, document, tuple(probe), chat)
+                 names, budget_list, document, tuple(probe), chat, text)
+    if text is not None:
+        result["document_file"] = str(document_file)
     if json_out:
         print(json.dumps(result))
         return

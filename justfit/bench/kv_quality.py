@@ -142,10 +142,14 @@ DOC_CHUNK = 64  # teacher-forcing chunk for the document (like agent turns: pref
 DOC_SCORED_FROM = 512  # first scored position: past the full-precision first page and one sealed 4-bit page
 
 
-def document_ids(tokenizer):
+DOC_MAX_TOKENS = 2048  # a longer --document-file is cut here (the built-in document has 2,010 tokens)
+
+
+def document_ids(tokenizer, text=None):
+    """Token ids of the built-in document, or of `text` (a user's own file), at most DOC_MAX_TOKENS."""
     from .kv_document import DOCUMENT
 
-    return list(tokenizer.encode(DOCUMENT))
+    return list(tokenizer.encode(DOCUMENT if text is None else text))[:DOC_MAX_TOKENS]
 
 
 def _chunked_logits(model, caches, ids):
@@ -192,9 +196,11 @@ def document_rows(model, ids, systems):
     return rows
 
 
-def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, document, chat=True, kv_config=None):
+def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, document, chat=True, kv_config=None,
+        document_text=None):
     """All quality rows of `justfit bench kv` for `systems` (names), with `factory(name, model, page, start)`;
-    `kv_config(name, page, start)` gives a justfit system's KVConfig (passed in: bench kv owns the names)."""
+    `kv_config(name, page, start)` gives a justfit system's KVConfig (passed in: bench kv owns the names);
+    `document_text` replaces the built-in document."""
     def layout(name, page=None, start=None):
         if name.startswith("mlx-lm"):
             return None
@@ -215,5 +221,11 @@ def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, docume
             stress += [p for p in plain if p[0].startswith("mlx-lm") and p[2] is not None]
             rows += [dict(r, workload="stress") for r in quality_rows(model, refs, stress)]
     if document:
-        rows += document_rows(model, document_ids(tokenizer), plain)
+        ids = document_ids(tokenizer, document_text)
+        if len(ids) < DOC_SCORED_FROM + 64:
+            from justfit.errors import UserError
+
+            raise UserError(f"the document has {len(ids)} tokens; quality rows score positions from "
+                            f"{DOC_SCORED_FROM}, so give a text of at least {DOC_SCORED_FROM + 64} tokens")
+        rows += document_rows(model, ids, plain)
     return rows
