@@ -2,12 +2,13 @@
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models import llama
 
 from justfit.config import KVConfig
 from justfit.errors import UserError
-from justfit.kvexec import attention, kernels, make_cache
+from justfit.kvexec import attention, kernels
 from metal_kernels.emulator import available as emulator_available
+
+from .kernels_support import kernel_logits, tiny_llama
 
 NO_EMULATOR = "g++ not found: the Metal emulator compiles kernels with g++"
 CONFIGS = [
@@ -21,22 +22,8 @@ PROMPT = [(7 * i + 3) % 256 for i in range(90)]
 STEPS = [[5], [9], [11], [13], [17], [1, 2, 3], [21], [4, 6, 8, 10]]
 
 
-def _model(head_dim=64):
-    mx.random.seed(3)
-    return llama.Model(llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-        head_dim=head_dim, tie_word_embeddings=True))
-
-
 def _logits(model, kv, monkeypatch, env):
-    """Last-position logits of the prompt and of every step, under JUSTFIT_KERNELS=env."""
-    monkeypatch.setenv("JUSTFIT_KERNELS", env)
-    caches = make_cache(model, kv)
-    out = [model(mx.array([PROMPT]), cache=caches)[0]]
-    for step in STEPS:
-        out.append(model(mx.array([step]), cache=caches)[0])
-    return mx.concatenate(out), caches
+    return kernel_logits(model, kv, monkeypatch, env, PROMPT, STEPS)
 
 
 @pytest.fixture
@@ -51,7 +38,7 @@ CASES = [(kv, 64) for kv in CONFIGS] + [(CONFIGS[1], 80), (CONFIGS[2], 80)]  # 8
 
 @pytest.mark.parametrize("kv,head_dim", CASES, ids=[f"{kv.format}-g{kv.group_size}-d{d}" for kv, d in CASES])
 def test_kernel_path_gives_reference_logits(kv, head_dim, monkeypatch, emulator):
-    model = _model(head_dim)
+    model = tiny_llama(head_dim)
     kernels.CALLS.clear()
     want, _ = _logits(model, kv, monkeypatch, "reference")
     assert not kernels.CALLS  # the reference path never touches the kernels
@@ -66,7 +53,7 @@ def test_kernel_path_gives_reference_logits(kv, head_dim, monkeypatch, emulator)
 def test_partial_last_quantized_page_and_fp_window(monkeypatch, emulator):
     # A trim that cuts into a sealed page leaves it quantized and partial until the next write:
     # the kernels get a partial last page (q_len not a multiple of P) plus the fp first page.
-    model, kv = _model(), CONFIGS[0]
+    model, kv = tiny_llama(), CONFIGS[0]
     _, caches = _logits(model, kv, monkeypatch, "reference")
     cache = caches[1]
     cache.trim(cache.offset - 93)  # pages: fp [0, 32), q [32, 64), q [64, 93) partial
@@ -81,7 +68,7 @@ def test_partial_last_quantized_page_and_fp_window(monkeypatch, emulator):
 
 def test_unsupported_shapes_and_masks_fall_back(monkeypatch, emulator):
     # head_dim 96 with group 32 stays 96 wide: no kernel, so KVExec's own path runs it.
-    model = _model(head_dim=96)
+    model = tiny_llama(head_dim=96)
     kernels.CALLS.clear()
     want, _ = _logits(model, CONFIGS[0], monkeypatch, "reference")
     got, _ = _logits(model, CONFIGS[0], monkeypatch, emulator)
@@ -110,7 +97,7 @@ def test_dispatch_resolves_per_machine_and_env(monkeypatch):
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs Apple Metal (forced JUSTFIT_KERNELS=metal)")
 @pytest.mark.parametrize("kv", CONFIGS, ids=lambda kv: f"{kv.format}-g{kv.group_size}")
 def test_forced_metal_gives_reference_logits(kv, monkeypatch):
-    model = _model()
+    model = tiny_llama()
     want, _ = _logits(model, kv, monkeypatch, "reference")
     kernels.CALLS.clear()
     got, _ = _logits(model, kv, monkeypatch, "metal")

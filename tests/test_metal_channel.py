@@ -8,7 +8,6 @@ planned to use). Real-Metal twins are marked `metal` and skip without Apple hard
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 
 import metal_kernels as mk
 from justfit.config import KVConfig
@@ -16,6 +15,8 @@ from justfit.kvexec import attention, kernels, make_cache
 from metal_kernels import emulator
 from metal_kernels import reference as ref
 from metal_kernels.testing import NO_GXX, case
+
+from .kernels_support import kernel_logits, tiny_llama
 
 needs_emulator = pytest.mark.skipif(not emulator.available(), reason=NO_GXX)
 PAGE = 64  # two key groups of 32 tokens per page
@@ -92,17 +93,9 @@ CHANNEL_G128 = KVConfig(bits=4, format="affine", key_format="channel", group_siz
                         quantized_kv_start=PAGE)
 
 
-def _model(head_dim=64):
-    mx.random.seed(3)
-    return llama.Model(llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-        head_dim=head_dim, tie_word_embeddings=True))
-
-
 def _filled(kv, tokens, head_dim=64, seed=0):
     """Layer 0 of a fresh cache holding `tokens` random keys (with a few loud channels) and values."""
-    cache = make_cache(_model(head_dim), kv)[0]
+    cache = make_cache(tiny_llama(head_dim), kv)[0]
     k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
     loud = 1 + 9 * (mx.random.uniform(shape=(head_dim,), key=k3) > 0.9)  # what channel keys are for
     keys = mx.random.normal((1, 2, tokens, head_dim), key=k1) * loud
@@ -167,17 +160,12 @@ STEPS = [[5], [9], [11], [13], [17], [1, 2, 3], [21], [4, 6, 8, 10]]
 
 
 def _logits(model, kv, monkeypatch, env):
-    monkeypatch.setenv("JUSTFIT_KERNELS", env)
-    caches = make_cache(model, kv)
-    out = [model(mx.array([PROMPT]), cache=caches)[0]]
-    for step in STEPS:
-        out.append(model(mx.array([step]), cache=caches)[0])
-    return mx.concatenate(out), caches
+    return kernel_logits(model, kv, monkeypatch, env, PROMPT, STEPS)
 
 
 @needs_emulator
 def test_kvexec_channel_logits_match_reference(monkeypatch):
-    model = _model()
+    model = tiny_llama()
     want, _ = _logits(model, CHANNEL, monkeypatch, "reference")
     kernels.CALLS.clear()
     got, caches = _logits(model, CHANNEL, monkeypatch, "emulator")
