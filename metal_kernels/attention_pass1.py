@@ -85,15 +85,21 @@ _PASS1_SOURCE = """
     }
 """
 
-# Affine pages: x = scale * code + bias; the lane's R values lie in one quantization group.
-_LOAD_K_AFFINE = """
-            uint e0 = lane * R;
-            size_t kg = row * (D / G) + e0 / G;
-            float ks = static_cast<float>(k_scales[kg]), kb = static_cast<float>(k_biases[kg]);
+
+def _load_affine(x):
+    """MSL loading the lane's R values of K (x = "k") or V ("v") from affine pages: scale * code + bias;
+    the lane's R values lie in one quantization group."""
+    return """
+            uint $0 = lane * R;
+            size_t $g = row * (D / G) + $0 / G;
+            float $s = static_cast<float>($_scales[$g]), $b = static_cast<float>($_biases[$g]);
             for (int j = 0; j < R; j++) {
-                kf[j] = ks * float(unpack_code<BITS>(k_codes + row * (D * BITS / 32), e0 + j)) + kb;
+                $f[j] = $s * float(unpack_code<BITS>($_codes + row * (D * BITS / 32), $0 + j)) + $b;
             }
-"""
+""".replace("$", x)
+
+
+_LOAD_K_AFFINE = _load_affine("k")
 
 # Channel keys (KVExec's ChannelCodec): pool [N, H, P/KG, D, KG/8] words, scales/biases
 # [N, H, P/KG, D, 1]; channel d of slot s is code s % KG of row ((page, head, s / KG), d).
@@ -106,14 +112,7 @@ _LOAD_K_CHANNEL = """
             }
 """
 
-_LOAD_V_AFFINE = """
-            uint v0 = lane * R;
-            size_t vg = row * (D / G) + v0 / G;
-            float vs = static_cast<float>(v_scales[vg]), vb = static_cast<float>(v_biases[vg]);
-            for (int j = 0; j < R; j++) {
-                vf[j] = vs * float(unpack_code<BITS>(v_codes + row * (D * BITS / 32), v0 + j)) + vb;
-            }
-"""
+_LOAD_V_AFFINE = _load_affine("v")
 
 # Rotated pages: score = norm_k * <q', c[code]>, weighted V = norm_v * c[code] (rotated space).
 _LOAD_ROTATED = """
