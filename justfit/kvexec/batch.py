@@ -140,7 +140,7 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
                 kparts, vparts, valid = _stack_run(lists, p0, p1, P, (ck, cv))
             else:
                 kparts, vparts, valid = _memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P, (ck, cv))
-            s = ck.scores(qc, kparts)[..., : valid.shape[-1]].astype(mx.float32)  # [B*H, rep, T]
+            s = ck.scores(qc, kparts).astype(mx.float32)  # [B*H, rep, T]: runs are whole pages, whole groups
             s = mx.where(valid, s, -float("inf"))
             m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
             m_safe = mx.where(m_new == -float("inf"), 0.0, m_new)
