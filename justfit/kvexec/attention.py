@@ -18,7 +18,7 @@ from .pages import QUANT
 
 RUN_ELEMENTS = 1 << 22  # bound on one run's score block (heads x queries x keys), 16 MiB in float32
 MAX_RUN_TOKENS = 8192  # longest run of keys read at once
-EAGER_ELEMENTS = 1 << 20  # score blocks this big are evaluated before the next run is built
+CHAIN_ELEMENTS = 1 << 20  # score blocks this big are chained: a run's reads wait for the previous run's sums
 
 
 def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks: Optional[mx.array] = None):
@@ -39,6 +39,8 @@ def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks
         l1 = min(L, l0 + block)
         run_tokens = min(MAX_RUN_TOKENS, max(P, RUN_ELEMENTS // (Hq * (l1 - l0)) // P * P))
         qb = q[:, :, l0:l1].reshape(H, rep * (l1 - l0), -1)
+        if out and qb.size * run_tokens >= CHAIN_ELEMENTS * qb.shape[-1]:
+            qb = mx.depends(qb, out[-1])  # one query block at a time, as runs are (see _attend_block)
         sub = None if dense_mask is None else _mask_block(dense_mask, Hq, H, l0, l1)
         o = _attend_block(cache, qb, q_first + l0, q_first + l1 - 1, window, sub, sinks, run_tokens)
         out.append(o.reshape(H, rep, l1 - l0, -1))
@@ -90,13 +92,17 @@ def _attend_block(cache, qb, first, last, window, dense_mask, sinks, run_tokens)
     else:
         m = mx.broadcast_to(sinks.astype(mx.float32).reshape(H, -1, 1, 1), (H, M // rows, rows, 1)).reshape(H, M, 1)
         l = mx.ones((H, M, 1))
-    acc, prepared = {}, {}
+    acc, prepared, chain = {}, {}, []
     for run in _runs(_visible_pages(cache, first, last, window), run_tokens):
         ck, cv = cache.codec(run[0][2])
         if id(ck) not in prepared:
             prepared[id(ck)] = ck.prepare(qb)
         P, T = cache.seq.page_size, sum(n for _, n, _ in run)
-        s = ck.scores(prepared[id(ck)], _concat(run, ck, 0, P))[..., :T].astype(mx.float32)
+        qx, keys = prepared[id(ck)], _concat(run, ck, 0, P)
+        if chain:  # big blocks (prefill): this run is read only once the previous one is folded in, so
+            # one run's scores are alive at a time, and the graph stays lazy (an unused output costs nothing)
+            qx, keys = mx.depends(qx, chain), tuple(mx.depends(list(keys), chain))
+        s = ck.scores(qx, keys)[..., :T].astype(mx.float32)
         k0 = run[0][0]
         allowed = _allowed(k0, T, first, last, window, M // rows)
         if dense_mask is not None:
@@ -120,8 +126,8 @@ def _attend_block(cache, qb, first, last, window, dense_mask, sinks, run_tokens)
         else:
             acc[id(cv)] = (cv, o_run)
         m = m_new
-        if s.size >= EAGER_ELEMENTS:  # big blocks (prefill): evaluate run by run so only one run is alive
-            mx.eval(m, l, *(a for _, a in acc.values()))
+        if s.size >= CHAIN_ELEMENTS:
+            chain = [m, l, *(a for _, a in acc.values())]
     o = None
     for cv, a in acc.values():
         o = cv.finish(a) if o is None else o + cv.finish(a)
