@@ -36,18 +36,19 @@ def _page_bytes(model, kv) -> tuple:
     """(full-precision page, quantized page) bytes of one page id across the paged layers."""
     import mlx.core as mx
 
-    from .kvexec.formats import FullCodec, make_codecs
+    from .kvexec.formats import full_codecs, make_codecs
 
     a = model.args
     heads = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
     dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
-    zeros = mx.zeros((heads, kv.page_size, dim), dtype=_dtype(model))  # lazy: only shapes are read
+    dtype = _dtype(model)
+    zeros = mx.zeros((heads, kv.page_size, dim), dtype=dtype)  # lazy: only shapes are read
 
     def nbytes(codecs):
         return sum(x.nbytes for c in codecs for x in c.encode(zeros))
 
     layers = _paged_layers(model)
-    return layers * nbytes((FullCodec(dim), FullCodec(dim))), layers * nbytes(make_codecs(kv, dim))
+    return layers * nbytes(full_codecs(kv, dim, dim, dtype)), layers * nbytes(make_codecs(kv, dim, dtype))
 
 
 def _paged_layers(model) -> int:

@@ -76,26 +76,30 @@ def dequant_affine(codes, scales, biases, page_table, group_size, bits, dtype):
     return x.transpose(1, 0, 2, 3).reshape(h, n * p, d).astype(dtype)
 
 
-def seal_channel(x, group_size=64, bits=4):
+def seal_channel(x, group_size=64, bits=4, dtype=None):
     """Channel keys: pages [..., P, D] quantized per channel along groups of g tokens (KVExec's
-    ChannelCodec), (codes [..., P/g, D, g*bits/32], scales, biases [..., P/g, D, 1])."""
+    ChannelCodec), (codes [..., P/g, D, g*bits/32], scales, biases [..., P/g, D, 1] in dtype or x's)."""
     *lead, p, d = x.shape
-    return range_quantize(x.reshape(*lead, p // group_size, group_size, d).swapaxes(-1, -2), bits)
+    return range_quantize(x.reshape(*lead, p // group_size, group_size, d).swapaxes(-1, -2), bits, dtype)
 
 
-def range_quantize(t, bits=4):
+def range_quantize(t, bits=4, dtype=None):
     """Affine codes over each row's own [min, max] (rows of t [..., g]), in mx.quantize's layout so that
     mx.dequantize / quantized_matmul read them. Unlike mx.quantize it does not move the range to make an
     edge exact: on channel keys of two real documents top1 rose 0.6-1.2 points; KL moved within the
-    +-10% that float-rounding perturbations alone cause."""
+    +-10% that float-rounding perturbations alone cause. Scales and biases are stored in dtype (t's by
+    default) and the codes are chosen against the stored, rounded values."""
+    dtype = dtype or t.dtype
     t32 = t.astype(mx.float32)
     lo, hi = t32.min(axis=-1, keepdims=True), t32.max(axis=-1, keepdims=True)
-    scale = mx.maximum((hi - lo) / (2**bits - 1), 1e-12)
-    q = mx.clip(mx.round((t32 - lo) / scale), 0, 2**bits - 1).astype(mx.uint32)
+    scale = mx.maximum((hi - lo) / (2**bits - 1), 1e-12).astype(dtype)
+    lo = lo.astype(dtype)
+    scale32, lo32 = mx.maximum(scale.astype(mx.float32), 1e-12), lo.astype(mx.float32)  # 0: a flat row
+    q = mx.clip(mx.round((t32 - lo32) / scale32), 0, 2**bits - 1).astype(mx.uint32)
     per = 32 // bits
     q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per)
     words = (q << (mx.arange(per, dtype=mx.uint32) * bits)).sum(axis=-1).astype(mx.uint32)
-    return words, scale.astype(t.dtype), lo.astype(t.dtype)
+    return words, scale, lo
 
 
 def dequant_channel(codes, scales, biases, page_table, group_size, dtype, bits=4):

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from ..errors import UserError
 from . import kernels
-from .formats import FullCodec, make_codecs
+from .formats import full_codecs, make_codecs, storage_dtype
 from .pages import FULL, OPEN, QUANT, Page, Sequence
 
 
@@ -48,8 +48,8 @@ class PagedKVCache(_BaseCache):
         self.seq, self.layer, self.kv = seq, layer, kv
         self.window, self.dense = window, dense
         self.poison = False  # tests: fill fresh page buffers with NaN to prove they are never read
-        self.codecs = None
-        self.n_kv_heads = self.head_dim = self.value_dim = self.dtype = None
+        self.codecs = self.full = None
+        self.n_kv_heads = self.head_dim = self.value_dim = self.dtype = self.store = None
 
     # ---- protocol -------------------------------------------------------------------------------
     @property
@@ -145,8 +145,9 @@ class PagedKVCache(_BaseCache):
         if self.kv.bits != 16 and D != Dv:
             raise UserError(f"quantized KV pages need equal key and value head dims, got {D} and {Dv}")
         self.n_kv_heads, self.head_dim, self.value_dim, self.dtype = H, D, Dv, dtype
-        self.codecs = make_codecs(self.kv, D)
-        self.full = (FullCodec(D), FullCodec(Dv))
+        self.store = storage_dtype(self.kv, dtype)  # full-precision pages: 16-bit beside 4/8-bit ones
+        self.codecs = make_codecs(self.kv, D, dtype)
+        self.full = full_codecs(self.kv, D, Dv, dtype)
 
     def _write(self, index: int, off: int, k, v):
         pid = self.seq.writable(index)  # copy-on-write when another sequence shares the page
@@ -167,21 +168,23 @@ class PagedKVCache(_BaseCache):
 
     def _fresh(self, H, P, D):
         fill = float("nan") if self.poison else 0.0
-        return mx.full((H, P, D), fill, dtype=self.dtype)
+        return mx.full((H, P, D), fill, dtype=self.store)
 
     def _unsealed(self, page: Page):
         """Full-precision buffers of a page about to be written (a sealed page reopened by a trim)."""
         (ck, cv), (k, v) = self.codec(page), page.parts()
         if page.kind == OPEN:
             return k[0], v[0]
-        return ck.decode(k).astype(self.dtype), cv.decode(v).astype(self.dtype)
+        return ck.decode(k).astype(self.store), cv.decode(v).astype(self.store)
 
     def _seal(self, pid: int, index: int, k, v):
         """A full page: keep it full precision (bits=16 or inside quantized_kv_start), else quantize it."""
         if self.kv.bits == 16 or index * self.seq.page_size < self.kv.quantized_kv_start:
-            page = Page(FULL, (k,), (v,))
+            fk, fv = self.full
+            page = Page(FULL, fk.encode(k), fv.encode(v))
         else:
             ck, cv = self.codecs
+            k, v = k.astype(self.dtype), v.astype(self.dtype)  # an open page's 16-bit buffer: code from float32
             page = Page(QUANT, kernels.seal(ck, k) or ck.encode(k), kernels.seal(cv, v) or cv.encode(v))
         self.seq.pool.put(self.layer, pid, page)
 

@@ -26,11 +26,25 @@ def _pad(x: mx.array, d: int) -> mx.array:
     return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
+def storage_dtype(kv, dtype):
+    """The float dtype of what a quantized config stores (scales, biases, full-precision pages): 16-bit, so
+    float16 when the model computes in float32 (half the bytes; its 11-bit mantissa is far finer than a 4-bit
+    step); a model already in 16 bits keeps its dtype, and bits=16 (the lossless reference) stores as it gets."""
+    return mx.float16 if kv.bits != 16 and dtype == mx.float32 else dtype
+
+
 class Codec:
     """What every codec shares: parts keep tokens on axis 1, `width(n)` entries of it for n tokens."""
 
     def width(self, n: int) -> int:
         return n
+
+    @staticmethod
+    def widened(parts, dtype):
+        """(codes, scales, biases) with scales and biases in dtype: given 16-bit scales, MLX's quantized_matmul
+        and dequantize compute in 16 bits (off by ~1e-3 relative); widened first, they are exact in float32."""
+        codes, *rest = parts
+        return (codes, *(a.astype(dtype) for a in rest))
 
     def take(self, parts, n: int):
         """Parts of a page's first n tokens (a partial page after a trim), whole storage units."""
@@ -42,11 +56,11 @@ class FullCodec(Codec):
 
     name = "fp"
 
-    def __init__(self, head_dim: int):
-        self.head_dim = head_dim
+    def __init__(self, head_dim: int, store=None):
+        self.head_dim, self.store = head_dim, store  # store: the dtype kept (None: as it arrives)
 
     def encode(self, x):
-        return (x,)
+        return (x if self.store is None else x.astype(self.store),)
 
     def decode(self, parts):
         return parts[0]
@@ -69,31 +83,38 @@ class AffineCodec(Codec):
 
     name = "affine"
 
-    def __init__(self, head_dim: int, bits: int, group_size: int):
-        self.head_dim, self.bits, self.group_size = head_dim, bits, group_size
+    def __init__(self, head_dim: int, bits: int, group_size: int, store=None):
+        self.head_dim, self.bits, self.group_size, self.store = head_dim, bits, group_size, store
         self.dim = math.ceil(head_dim / group_size) * group_size
 
     def _q(self):
         return dict(group_size=self.group_size, bits=self.bits)
 
     def encode(self, x):
-        return tuple(mx.quantize(_pad(x, self.dim), **self._q()))
+        return self.stored(mx.quantize(_pad(x, self.dim), **self._q()))
 
-    def decode(self, parts):
-        return mx.dequantize(*parts, **self._q())[..., : self.head_dim]
+    def stored(self, parts):
+        """(codes, scales, biases) with scales and biases in the storage dtype."""
+        codes, scales, biases = parts
+        if self.store is None:
+            return codes, scales, biases
+        return codes, scales.astype(self.store), biases.astype(self.store)
+
+    def decode(self, parts, dtype=mx.float32):
+        return mx.dequantize(*self.widened(parts, dtype), **self._q())[..., : self.head_dim]
 
     def prepare(self, q):
         return _pad(q, self.dim)
 
     def scores(self, qc, parts):
         if qc.shape[-2] >= DEQUANT_ROWS:  # many queries (prefill): dequantize this run once, then GEMM
-            return qc @ mx.dequantize(*parts, **self._q()).swapaxes(-1, -2)
-        return mx.quantized_matmul(qc, *parts, transpose=True, **self._q())
+            return qc @ mx.dequantize(*self.widened(parts, qc.dtype), **self._q()).swapaxes(-1, -2)
+        return mx.quantized_matmul(qc, *self.widened(parts, qc.dtype), transpose=True, **self._q())
 
     def mix(self, p, parts):
         if p.shape[-2] >= DEQUANT_ROWS:
-            return p @ mx.dequantize(*parts, **self._q())
-        return mx.quantized_matmul(p, *parts, transpose=False, **self._q())
+            return p @ mx.dequantize(*self.widened(parts, p.dtype), **self._q())
+        return mx.quantized_matmul(p, *self.widened(parts, p.dtype), transpose=False, **self._q())
 
     def finish(self, o):
         return o[..., : self.head_dim]
@@ -107,8 +128,8 @@ class ChannelCodec(Codec):
 
     name = "channel"
 
-    def __init__(self, head_dim: int, bits: int, group_size: int):
-        self.head_dim, self.bits, self.group_size = head_dim, bits, group_size
+    def __init__(self, head_dim: int, bits: int, group_size: int, store=None):
+        self.head_dim, self.bits, self.group_size, self.store = head_dim, bits, group_size, store
         self.dim = head_dim
 
     def _q(self):
@@ -117,10 +138,10 @@ class ChannelCodec(Codec):
     def encode(self, x):
         from metal_kernels.reference import seal_channel  # one definition, shared with the kernels' tests
 
-        return seal_channel(x, self.group_size, self.bits)
+        return seal_channel(x, self.group_size, self.bits, self.store)
 
-    def decode(self, parts):
-        y = mx.dequantize(*parts, **self._q()).swapaxes(-1, -2)  # [H, G, g, D]
+    def decode(self, parts, dtype=mx.float32):
+        y = mx.dequantize(*self.widened(parts, dtype), **self._q()).swapaxes(-1, -2)  # [H, G, g, D]
         return y.reshape(y.shape[0], -1, y.shape[-1])
 
     def prepare(self, q):
@@ -128,12 +149,12 @@ class ChannelCodec(Codec):
 
     def scores(self, qc, parts):
         if qc.shape[-2] >= DEQUANT_ROWS:
-            return qc @ self.decode(parts).astype(qc.dtype).swapaxes(-1, -2)
-        s = mx.quantized_matmul(qc[:, None], *parts, transpose=False, **self._q())  # [H, G, M, g]
+            return qc @ self.decode(parts, qc.dtype).swapaxes(-1, -2)
+        s = mx.quantized_matmul(qc[:, None], *self.widened(parts, qc.dtype), transpose=False, **self._q())  # [H, G, M, g]
         return s.swapaxes(1, 2).reshape(qc.shape[0], qc.shape[1], -1)
 
     def mix(self, p, parts):
-        return p @ self.decode(parts).astype(p.dtype)
+        return p @ self.decode(parts, p.dtype)
 
     def finish(self, o):
         return o
@@ -201,20 +222,28 @@ class RotatedCodec(Codec):
         return rotation.unrotate(o, self.signs)[..., : self.head_dim]
 
 
-def make_codecs(kv, head_dim: int):
-    """(key codec, value codec) for a KVConfig; bits=16 gives FullCodec for both."""
+def make_codecs(kv, head_dim: int, dtype=mx.float32):
+    """(key codec, value codec) for a KVConfig and the dtype K/V arrive in; bits=16 gives FullCodec for both."""
     if kv.bits == 16:
         return FullCodec(head_dim), FullCodec(head_dim)
+    store = storage_dtype(kv, dtype)
+
     def codec(fmt, bits, seed):
         if fmt == "rotated":
             return RotatedCodec(head_dim, seed)
         if fmt == "channel":  # token groups: the group size, or the largest smaller one that divides a page
             group = next(g for g in (128, 64, 32) if g <= kv.group_size and kv.page_size % g == 0)
-            return ChannelCodec(head_dim, bits, group)
-        return AffineCodec(head_dim, bits, kv.group_size)
+            return ChannelCodec(head_dim, bits, group, store)
+        return AffineCodec(head_dim, bits, kv.group_size, store)
 
     key = codec(kv.keys, kv.key_bits or kv.bits, rotation.KEY_SEED)
     return key, codec(kv.format, kv.bits, rotation.VALUE_SEED)
+
+
+def full_codecs(kv, key_dim: int, value_dim: int, dtype=mx.float32):
+    """(key codec, value codec) of a config's full-precision pages (open, and sealed before quantized_kv_start)."""
+    store = storage_dtype(kv, dtype)
+    return FullCodec(key_dim, store), FullCodec(value_dim, store)
 
 
 def parts_nbytes(parts) -> int:

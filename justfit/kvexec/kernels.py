@@ -67,8 +67,8 @@ def seal(codec, x):
         return None
     CALLS["seal"] += 1
     if codec.name == "affine":
-        return tuple(mk.seal_affine(_pad(x, codec.dim), group_size=codec.group_size, bits=codec.bits,
-                                    backend=b))
+        return codec.stored(mk.seal_affine(_pad(x, codec.dim), group_size=codec.group_size, bits=codec.bits,
+                                           backend=b))
     codes, norms = mk.seal_rotated(_pad(x.astype(mx.float32), codec.dim), codec.signs, codec.codebook,
                                    backend=b)
     return codes, norms
@@ -168,4 +168,4 @@ def _recent(floats, which, cache, dim):
     if not xs:
         return mx.zeros((cache.n_kv_heads, 0, dim), cache.dtype)
     x = xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=1)
-    return _pad(x, dim)
+    return _pad(x.astype(cache.dtype), dim)  # pages may store 16-bit floats; the kernels take the compute dtype
