@@ -31,7 +31,7 @@ def test_bench_batch_json(tiny, capsys):
     timing = [r for r in out["rows"] if "throughput_tok_s" in r]
     assert {(r["system"], r["concurrency"]) for r in timing} == {(s, c) for s in bench_batch.SYSTEMS for c in (1, 3)}
     for r in timing:
-        assert r["rounds"] == 2 and r["throughput_tok_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["rounds"] == 2 and r["throughput_tok_s"] > 0 and r["peak_memory_bytes"] > r["peak_over_start_bytes"] > 0
         assert r["throughput_tok_s_min"] <= r["throughput_tok_s"] <= r["throughput_tok_s_max"]
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and 0 < r["itl_p50_s"] <= r["itl_p99_s"]
     j3 = next(r for r in timing if r["system"] == "justfit" and r["concurrency"] == 3)

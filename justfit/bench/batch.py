@@ -58,11 +58,13 @@ def run_justfit(model, tokenizer, kv, home, prompts, gen):
     eng = Engine(model, tokenizer, lambda: make_cache(model, kv, pool=index.pool), index=index, kv=kv, eos=set())
     mx.synchronize()
     mx.reset_peak_memory()
+    start = mx.get_active_memory()  # weights and whatever else was resident before the run
     t0 = time.perf_counter()
     reqs = [eng.submit(p, max_tokens=gen) for p in prompts]
     eng.run(reqs)
     wall = time.perf_counter() - t0
     row = {"throughput_tok_s": sum(len(r.out) for r in reqs) / wall, "peak_memory_bytes": mx.get_peak_memory(),
+           "peak_over_start_bytes": mx.get_peak_memory() - start,
            "prefilled_tokens": sum(r.stats.prefilled_tokens for r in reqs), "generated_tokens": sum(len(r.out) for r in reqs),
            "kv_bytes": index.pool.nbytes, "wall_s": wall}
     row.update(_timings(t0, [r.token_times for r in reqs]))
@@ -76,6 +78,7 @@ def run_mlx_lm(model, prompts, gen):
 
     mx.synchronize()
     mx.reset_peak_memory()
+    start = mx.get_active_memory()
     t0 = time.perf_counter()
     bg = BatchGenerator(model, max_tokens=gen, completion_batch_size=max(32, len(prompts)),
                         prefill_batch_size=max(8, len(prompts)))
@@ -91,6 +94,7 @@ def run_mlx_lm(model, prompts, gen):
     wall = time.perf_counter() - t0
     bg.close()
     row = {"throughput_tok_s": sum(map(len, times.values())) / wall, "peak_memory_bytes": mx.get_peak_memory(),
+           "peak_over_start_bytes": mx.get_peak_memory() - start,
            "prefilled_tokens": int(stats.prompt_tokens), "generated_tokens": sum(map(len, times.values())),
            "wall_s": wall}
     row.update(_timings(t0, list(times.values())))
@@ -203,6 +207,7 @@ def run(model_spec, concurrencies, prompt_lengths, shared, gen, rounds, budget, 
                         f"{gen} greedy tokens each, end-of-turn ignored; all requests submitted at once",
             "throughput_tok_s": "generated tokens / wall time from submission to the last token",
             "peak_memory_bytes": "mx.get_peak_memory() over the run: weights + KV + workspace",
+            "peak_over_start_bytes": "peak minus the memory active at submission (the weights): KV + workspace",
             "capacity": "layout arithmetic under budget_bytes (KV only); justfit's page arithmetic checked "
                         f"against the pool bytes of a real {check['tokens']}-token sequence: predicted "
                         f"{check['predicted_bytes']}, measured {check['measured_bytes']}",
@@ -215,7 +220,7 @@ def _median_row(system, conc, prompt_tokens, shared, gen, samples):
     row = {"system": system, "concurrency": conc, "prompt_tokens": prompt_tokens, "shared_prefix_tokens": shared,
            "gen_tokens": gen, "rounds": len(samples)}
     for key in ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_memory_bytes",
-                "prefilled_tokens"):
+                "peak_over_start_bytes", "prefilled_tokens"):
         xs = [s[key] for s in samples]
         row[key] = statistics.median(xs)
         row[f"{key}_min"], row[f"{key}_max"] = min(xs), max(xs)

@@ -7,8 +7,8 @@ order rotating from round to round; caches are built once per context, warm-up e
 - `prefill`: real chunked prefill of random tokens, on the full model up to `--full-prefill-max` tokens
   and on the model cut to `--prefill-layers` layers above it (long-context time and peak memory);
 - `capacity`: longest context whose KV bytes (measured per page/position on a real cache) plus the
-  attention workspace (measured prefill peak over KV at two contexts, extrapolated linearly) fit
-  `budget_bytes`, found by binary search.
+  attention workspace (prefill peak over KV of one layer whose output is evaluated, at two contexts,
+  extrapolated linearly) fit `budget_bytes`, found by binary search.
 Quality rows: kv_quality.py. One JSON object on stdout with --json (DESIGN.md section 6).
 """
 
@@ -141,7 +141,10 @@ def decode_rows(model, systems, context: int, steps: int, rounds: int):
              "rounds": rounds, "kv_bytes": kv_bytes[n], **_stats(times[n], "decode_tok_s")} for n in systems]
 
 
-def _prefill_once(model, make, tokens):
+def _prefill_once(model, make, tokens, through: bool = False):
+    """(tok/s, peak, peak over start, KV bytes) of one chunked prefill with fresh caches. As in mlx-lm's
+    prefill only the caches are evaluated, so the last layer's attention output is never computed; with
+    `through` each chunk's hidden states are evaluated too (a one-layer cut then runs its attention)."""
     import mlx.core as mx
 
     caches = make()
@@ -150,7 +153,11 @@ def _prefill_once(model, make, tokens):
     base = mx.get_active_memory()
     t0 = time.perf_counter()
     for i in range(0, tokens.size, CHUNK):
-        model(tokens[i : i + CHUNK][None], cache=caches)  # logits stay lazy, as in mlx-lm's prefill
+        chunk = tokens[i : i + CHUNK][None]
+        if through:
+            mx.eval(model.model(chunk, cache=caches), _state_all(caches))  # hidden states, not logits (as _Cut)
+            continue
+        model(chunk, cache=caches)  # logits stay lazy, as in mlx-lm's prefill
         mx.eval(_state_all(caches))
     dt = time.perf_counter() - t0
     peak = mx.get_peak_memory()
@@ -201,7 +208,7 @@ def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
             work = []
             for ctx in probe:
                 tokens = mx.random.randint(100, 40000, (ctx,), key=mx.random.key(ctx))
-                _, _, over, kv = _prefill_once(model, make, tokens)
+                _, _, over, kv = _prefill_once(model, make, tokens, through=True)  # attention runs
                 work.append(max(0, over - kv))
             kv_at = []
             for ctx in probe:  # marginal bytes per position (a full-precision first page is a fixed cost)
@@ -297,7 +304,7 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
                        f"prefill_layers = full model up to {full_prefill_max} tokens, else the first {prefill_layers} layers",
             "capacity": "kind=capacity: binary search for the longest context whose full-model KV bytes (measured per "
                         "position between the two probes on real caches, plus their fixed part) + prefill workspace (peak over start minus KV, one "
-                        "layer, the larger of the two probes, plus its growth per position when it grows) fit budget_bytes",
+                        "layer whose hidden states are evaluated so its attention runs, the larger of the two probes, plus its growth per position when it grows) fit budget_bytes",
             "quality": "see kv_quality.py: teacher-forced replay of fp16 greedy trajectories through each cache",
             "mlx-lm-fp16": "mlx-lm KVCache in the model's compute dtype (float32 on CPU)",
         },
