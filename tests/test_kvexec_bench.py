@@ -40,7 +40,7 @@ def test_bench_json_rows(monkeypatch, capsys):
         assert 0 < r["prefill_tok_s_min"] <= r["prefill_tok_s"] <= r["prefill_tok_s_max"]
     assert decode["justfit-fp16"]["kv_bytes"] == 3 * 2 * 2 * (2 * 256) * 64 * 4  # two pages per layer, float32
     for r in capacity.values():
-        assert r["budget_bytes"] == 256 << 20 and r["capacity_positions"] > 0
+        assert r["budget_bytes"] == 256 << 20 and 0 < r["capacity_positions"] <= r["kv_only_positions"]
     assert capacity["justfit-default"]["capacity_positions"] > 2 * capacity["mlx-lm-fp16"]["capacity_positions"]
     assert model.layers and len(model.model.layers) == 3  # the prefill cut was undone
 
@@ -95,3 +95,14 @@ def test_quality_rows_replay_through_caches():
     assert rows[1]["kl"] < 1e-6 and rows[1]["ppl"] == pytest.approx(rows[1]["ppl_fp16"], rel=1e-4)
     assert rows[2]["quantized_token_fraction"] == 0.0  # 8 tokens never fill a 32-token page
     assert rows[2]["quantized_kv_start"] == 32 and rows[2]["page_size"] == 32
+
+
+def test_capacity_arithmetic_interpolates_a_growing_workspace():
+    """A workspace that grows between the probes costs its line from the first probe on (not the larger probe
+    everywhere, which left mlx-lm 0 positions under 256 MiB); a bounded one costs its larger probe."""
+    kv = bench_kv._kv_need(2, 10.0, 100.0)  # 2 layers x (10 B per position + 100 B fixed)
+    grow = bench_kv._with_workspace(kv, [1000, 2000], (100, 200))  # +10 B per position between the probes
+    assert grow(50) == kv(50) + 1000 and grow(150) == kv(150) + 1500 and grow(300) == kv(300) + 3000
+    flat = bench_kv._with_workspace(kv, [1000, 900], (100, 200))
+    assert flat(50) == flat(0) + 1000 == kv(0) + 2000
+    assert bench_kv._longest(kv, kv(1234)) == 1234 and bench_kv._longest(kv, 199) == 0

@@ -218,23 +218,41 @@ def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
                 del caches
             per_position = (kv_at[1] - kv_at[0]) / (probe[1] - probe[0])
             fixed = kv_at[0] - per_position * probe[0]
-        slope = max(0.0, (work[1] - work[0]) / (probe[1] - probe[0]))  # growth per position (0: bounded)
-
-        def need(n, w=max(work), s=slope, pp=per_position, f=fixed):
-            return n_layers * (pp * n + f) + w + s * max(0, n - probe[1])
-
+        kv_need = _kv_need(n_layers, per_position, fixed)
+        need = _with_workspace(kv_need, work, probe)
         for budget in budgets:
-            lo, hi = 0, 1 << 24
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
+            lo = _longest(need, budget)
             rows.append({"kind": "capacity", "system": name, "budget_bytes": int(budget), "capacity_positions": lo,
+                         "kv_only_positions": _longest(kv_need, budget),
                          "kv_bytes_per_position": n_layers * per_position, "kv_fixed_bytes": n_layers * fixed,
                          "workspace_bytes_at_probe": work,
                          "workspace_probe_contexts": list(probe),
                          "positions_per_gib": lo * (1 << 30) / budget})
             _log(f"kv: capacity {name} @ {budget / 2**20:.0f} MiB: {lo} positions")
     return rows
+
+
+def _kv_need(n_layers, per_position, fixed):
+    """KV bytes of n positions on the full model (per layer: per-position bytes plus a fixed first page)."""
+    return lambda n: n_layers * (per_position * n + fixed)
+
+
+def _with_workspace(kv_need, work, probe):
+    """KV plus prefill workspace at n positions: a workspace that grows between the probes grows linearly
+    from the first probe on (below it, the first probe's); a bounded one costs its larger probe."""
+    slope = (work[1] - work[0]) / (probe[1] - probe[0])
+    if slope <= 0:
+        return lambda n: kv_need(n) + max(work)
+    return lambda n: kv_need(n) + work[0] + slope * max(0, n - probe[0])
+
+
+def _longest(need, budget) -> int:
+    """The largest n (binary search up to 2^24) with need(n) <= budget; 0 when none fits."""
+    lo, hi = 0, 1 << 24
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
+    return lo
 
 
 class _Cut:
@@ -304,7 +322,8 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
                        f"prefill_layers = full model up to {full_prefill_max} tokens, else the first {prefill_layers} layers",
             "capacity": "kind=capacity: binary search for the longest context whose full-model KV bytes (measured per "
                         "position between the two probes on real caches, plus their fixed part) + prefill workspace (peak over start minus KV, one "
-                        "layer whose hidden states are evaluated so its attention runs, the larger of the two probes, plus its growth per position when it grows) fit budget_bytes",
+                        "layer whose hidden states are evaluated so its attention runs: the larger probe when bounded, else "
+                        "linear through both probes from the first on) fit budget_bytes; kv_only_positions: KV alone",
             "quality": "see kv_quality.py: teacher-forced replay of fp16 greedy trajectories through each cache",
             "mlx-lm-fp16": "mlx-lm KVCache in the model's compute dtype (float32 on CPU)",
         },
