@@ -39,8 +39,8 @@ def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks
         l1 = min(L, l0 + block)
         run_tokens = min(MAX_RUN_TOKENS, max(P, RUN_ELEMENTS // (Hq * (l1 - l0)) // P * P))
         qb = q[:, :, l0:l1].reshape(H, rep * (l1 - l0), -1)
-        if out and qb.size * run_tokens >= CHAIN_ELEMENTS * qb.shape[-1]:
-            qb = mx.depends(qb, out[-1])  # one query block at a time, as runs are (see _attend_block)
+        if out:  # several blocks only in a long prefill: one block at a time, as runs are (see _attend_block)
+            qb = mx.depends(qb, out[-1])
         sub = None if dense_mask is None else _mask_block(dense_mask, Hq, H, l0, l1)
         o = _attend_block(cache, qb, q_first + l0, q_first + l1 - 1, window, sub, sinks, run_tokens)
         out.append(o.reshape(H, rep, l1 - l0, -1))
