@@ -201,14 +201,14 @@ class Engine:
 
     def _memo(self, plan: List[tuple]) -> Optional[dict]:
         """The stacked sealed pages to keep between steps, or None (and none kept) when pages plus stacks
-        would pass the budget: the stacks are a speed cache, about one more copy of the decoders' sealed
-        pages, each padded to the longest decoder's, so the budget counts them (see used_bytes)."""
+        would pass the budget: the stacks are a speed cache, one more copy of the decoders' sealed pages (their
+        16-bit floats widened), each padded to the longest decoder's, so the budget counts them (see used_bytes)."""
         if self.budget_bytes is None or self.kv_bytes is None:
             return self._stacks
         P = self.kv.page_size
         decoders = [r for r, n in plan if n == 1 and _decoding(r)]
         longest = max((r.cached // P * P for r in decoders), default=0)
-        stacks = len(decoders) * self.kv_bytes.seq(longest)
+        stacks = 2 * len(decoders) * self.kv_bytes.seq(longest)  # kept widened to float32: at most 2x stored
         if self.pool.nbytes + stacks <= self.budget_bytes:
             return self._stacks
         self._stacks.clear()

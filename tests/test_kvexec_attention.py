@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from justfit.config import KVConfig
-from justfit.kvexec import PagePool, Sequence, attention
+from justfit.kvexec import PagePool, Sequence, attention, softmax
 from justfit.kvexec.cache import PagedKVCache, PagedMask
 
 FORMATS = [dict(bits=16), dict(bits=8), dict(bits=4), dict(bits=4, group_size=32), dict(bits=4, format="rotated"),
@@ -99,6 +99,28 @@ def test_sliding_window_and_sinks():
     q = mx.random.normal((1, 4, 3, 64))
     _check(cache, q, window=40)
     _check(cache, q, sinks=mx.array([0.5, -1.0, 2.0, 0.0]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_whole_and_online_softmax_agree(fmt, monkeypatch):
+    """Decode and short blocks normalize all runs at once (softmax.whole); the online fold that big blocks use
+    gives the same output on the same cache (float, quantized and open pages), with sinks or a window too."""
+    kv = KVConfig(page_size=32, quantized_kv_start=32, **fmt)
+    cache, rng = _cache(kv), np.random.default_rng(5)
+    cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 150, 64)).astype(np.float32)) for _ in "kv"))
+    real, calls = softmax.whole, []
+    monkeypatch.setattr(softmax, "whole", lambda *a: calls.append(1) or real(*a))
+    for L in (1, 5):
+        q = mx.array(rng.standard_normal((1, 4, L, 64)).astype(np.float32))
+        for sinks, mask in ((None, None), (mx.array([0.5, -1.0, 2.0, 0.0]), None), (None, PagedMask(48))):
+            monkeypatch.setattr(attention, "CHAIN_ELEMENTS", 1 << 20)
+            n = len(calls)
+            whole = attention.paged_attention(q, cache, 0.125, mask, sinks)
+            assert len(calls) == n + 1
+            monkeypatch.setattr(attention, "CHAIN_ELEMENTS", 0)  # every block too big: run by run
+            online = attention.paged_attention(q, cache, 0.125, mask, sinks)
+            assert len(calls) == n + 1
+            np.testing.assert_allclose(np.array(whole), np.array(online), atol=1e-5, rtol=1e-4)
 
 
 def test_window_skips_pages_outside_it():

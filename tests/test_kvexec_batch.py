@@ -7,6 +7,7 @@ import pytest
 from justfit.config import KVConfig
 from justfit.kvexec import make_cache
 from justfit.kvexec.attention import paged_attention
+from justfit.kvexec import batch
 from justfit.kvexec.batch import BatchPlan, _decode_batch, forward
 from justfit.kvexec.pages import Page, PagePool
 
@@ -120,8 +121,12 @@ def _filled_cache(kv, n_tokens, H=3, D=64, seed=0, pool=None):
     return c
 
 
+@pytest.mark.parametrize("online", [False, True], ids=["whole", "online"])
 @pytest.mark.parametrize("kv", CONFIGS, ids=lambda k: k.name)
-def test_decode_batch_matches_single_sequence_attention(kv):
+def test_decode_batch_matches_single_sequence_attention(kv, online, monkeypatch):
+    """Both merges of batched decode: one softmax over all runs, and run by run (big batches, long contexts)."""
+    if online:
+        monkeypatch.setattr(batch, "CHAIN_ELEMENTS", 0)
     pool = PagePool(1, kv.page_size)
     lengths = [1, 31, 32, 33, 150, 453]
     caches = [_filled_cache(kv, n, seed=i, pool=pool) for i, n in enumerate(lengths)]

@@ -1,24 +1,27 @@
-"""Paged attention with a bounded workspace: page run by page run, merged with an online softmax.
+"""Paged attention with a bounded workspace: page run by page run, one softmax or an online one.
 
 Queries (1 to 8 for decode/verification, a whole chunk for prefill) are split into blocks and, for each
 block, the layer's pages are read in runs of consecutive pages of one storage kind. Each run is scored
-directly on its stored format (formats.py) and folded into running (max, sum, output) accumulators, so
-the extra memory per layer is O(heads x query block x run), independent of context length: no B x H x L x S
-score matrix and no dequantized copy of the whole cache ever exists. Pages a query block cannot see
-(after its last query, or before its sliding window) are skipped, never read.
+directly on its stored format (formats.py). When all of a block's scores fit one small block (decode,
+short prefill) they are normalized together in one softmax; otherwise each run is folded into running
+(max, sum, output) accumulators (softmax.py). Either way the extra memory per layer is bounded by a
+constant, independent of context length: no B x H x L x S score matrix and no dequantized copy of the
+whole cache ever exists. Pages a query block cannot see (after its last query, or before its sliding
+window) are skipped, never read.
 """
 
 from typing import Optional
 
 import mlx.core as mx
 
-from . import kernels
+from . import kernels, softmax
 from .cache import PagedKVCache, PagedMask
 from .pages import QUANT
 
 RUN_ELEMENTS = 1 << 22  # bound on one run's score block (heads x queries x keys), 16 MiB in float32
 MAX_RUN_TOKENS = 8192  # longest run of keys read at once
-CHAIN_ELEMENTS = 1 << 20  # score blocks this big are chained: a run's reads wait for the previous run's sums
+CHAIN_ELEMENTS = 1 << 20  # score blocks this big are chained (a run's reads wait for the previous run's sums);
+# a block whose scores over all runs are smaller is normalized in one softmax (softmax.whole)
 
 
 def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks: Optional[mx.array] = None):
@@ -85,55 +88,75 @@ def _concat(pages, codec, which, page_size):
 
 def _attend_block(cache, qb, first, last, window, dense_mask, sinks, run_tokens):
     H, M, _ = qb.shape
-    rows = last - first + 1
-    if sinks is None:
-        m = mx.full((H, M, 1), -float("inf"))
-        l = mx.zeros((H, M, 1))
-    else:
-        m = mx.broadcast_to(sinks.astype(mx.float32).reshape(H, -1, 1, 1), (H, M // rows, rows, 1)).reshape(H, M, 1)
-        l = mx.ones((H, M, 1))
-    acc, prepared, chain = {}, {}, []
-    for run in _runs(_visible_pages(cache, first, last, window), run_tokens):
+    runs = _runs(_visible_pages(cache, first, last, window), run_tokens)
+    if H * M * (sum(n for run in runs for _, n, _ in run) + 1) <= min(CHAIN_ELEMENTS, RUN_ELEMENTS):
+        return _attend_whole(cache, qb, runs, first, last, window, dense_mask, sinks)
+    return _attend_online(cache, qb, runs, first, last, window, dense_mask, sinks)
+
+
+def _run_scores(cache, run, qx, keys, first, last, window, dense_mask, rows):
+    """[H, M, T] float32 scores of one run on its stored format, masked (causal, window, dense mask)."""
+    ck, _ = cache.codec(run[0][2])
+    T, k0 = sum(n for _, n, _ in run), run[0][0]
+    s = ck.scores(qx, keys)[..., :T].astype(mx.float32)
+    allowed = _allowed(k0, T, first, last, window, qx.shape[1] // rows)
+    if dense_mask is not None:
+        dm = dense_mask[..., k0 : k0 + T]
+        if dm.dtype == mx.bool_:
+            allowed = dm if allowed is None else allowed & dm
+        else:
+            s = s + dm
+    return s if allowed is None else mx.where(allowed, s, -float("inf"))
+
+
+def _prepared(cache, qb, run, memo):
+    """The block's queries in the key codec's space, mapped once per codec."""
+    ck, _ = cache.codec(run[0][2])
+    if id(ck) not in memo:
+        memo[id(ck)] = ck.prepare(qb)
+    return memo[id(ck)]
+
+
+def _sink_column(sinks, H, M, rows):
+    return mx.broadcast_to(sinks.astype(mx.float32).reshape(H, -1, 1, 1), (H, M // rows, rows, 1)).reshape(H, M, 1)
+
+
+def _attend_whole(cache, qb, runs, first, last, window, dense_mask, sinks):
+    """All visible keys' scores fit one small block (decode, short prefill): one softmax over them, no
+    online merge, so a few ops per run instead of a dozen (ops, not bytes, bound a short decode)."""
+    H, M, _ = qb.shape
+    rows, P, memo = last - first + 1, cache.seq.page_size, {}
+    scores, values = ([], []) if sinks is None else ([_sink_column(sinks, H, M, rows)], [None])
+    for run in runs:
         ck, cv = cache.codec(run[0][2])
-        if id(ck) not in prepared:
-            prepared[id(ck)] = ck.prepare(qb)
-        P, T = cache.seq.page_size, sum(n for _, n, _ in run)
-        qx, keys = prepared[id(ck)], _concat(run, ck, 0, P)
+        keys = _concat(run, ck, 0, P)
+        scores.append(_run_scores(cache, run, _prepared(cache, qb, run, memo), keys, first, last, window, dense_mask, rows))
+        values.append((cv, _concat(run, cv, 1, P)))
+    if not runs:
+        return mx.zeros((H, M, cache.value_dim))
+    return softmax.whole(scores, values, (H, M, cache.value_dim))
+
+
+def _attend_online(cache, qb, runs, first, last, window, dense_mask, sinks):
+    """Run by run, folded into running (max, sum, output) accumulators: one run's scores at a time."""
+    H, M, _ = qb.shape
+    rows, P, memo = last - first + 1, cache.seq.page_size, {}
+    if sinks is None:
+        fold = softmax.Online(mx.full((H, M, 1), -float("inf")), mx.zeros((H, M, 1)))
+    else:
+        fold = softmax.Online(_sink_column(sinks, H, M, rows), mx.ones((H, M, 1)))
+    chain = []
+    for run in runs:
+        ck, cv = cache.codec(run[0][2])
+        qx, keys = _prepared(cache, qb, run, memo), _concat(run, ck, 0, P)
         if chain:  # big blocks (prefill): this run is read only once the previous one is folded in, so
             # one run's scores are alive at a time, and the graph stays lazy (an unused output costs nothing)
             qx, keys = mx.depends(qx, chain), tuple(mx.depends(list(keys), chain))
-        s = ck.scores(qx, keys)[..., :T].astype(mx.float32)
-        k0 = run[0][0]
-        allowed = _allowed(k0, T, first, last, window, M // rows)
-        if dense_mask is not None:
-            dm = dense_mask[..., k0 : k0 + T]
-            if dm.dtype == mx.bool_:
-                allowed = dm if allowed is None else allowed & dm
-            else:
-                s = s + dm
-        if allowed is not None:
-            s = mx.where(allowed, s, -float("inf"))
-        m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
-        m_safe = mx.where(m_new == -float("inf"), 0.0, m_new)
-        p = mx.exp(s - m_safe)
-        alpha = mx.exp(m - m_safe)
-        l = l * alpha + p.sum(axis=-1, keepdims=True)
-        for key in acc:
-            acc[key] = (acc[key][0], acc[key][1] * alpha)
-        o_run = cv.mix(p, _concat(run, cv, 1, P))
-        if id(cv) in acc:
-            acc[id(cv)] = (cv, acc[id(cv)][1] + o_run)
-        else:
-            acc[id(cv)] = (cv, o_run)
-        m = m_new
+        s = _run_scores(cache, run, qx, keys, first, last, window, dense_mask, rows)
+        fold.fold(s, cv, _concat(run, cv, 1, P))
         if s.size >= CHAIN_ELEMENTS:
-            chain = [m, l, *(a for _, a in acc.values())]
-    o = None
-    for cv, a in acc.values():
-        o = cv.finish(a) if o is None else o + cv.finish(a)
-    if o is None:  # nothing visible (only possible with an all-masking dense mask)
-        return mx.zeros((H, M, cache.value_dim))
-    return o / mx.maximum(l, 1e-30)
+            chain = fold.arrays()
+    return fold.result((H, M, cache.value_dim))
 
 
 def _allowed(k0, T, first, last, window, rep):

@@ -8,7 +8,8 @@ decode, a chunk for a prefill). Each layer's `update_and_fetch` writes every seg
 sequence's own pages (kvexec/cache.py) and returns `BatchKV` handles; the attention dispatcher
 (routing.py) then calls `batch_attention`: prefill segments run the single-sequence bounded-workspace
 paged attention on their own pages; all decode segments run together (`_decode_batch`), key run by key run
-over their stacked pages with an online softmax, so the workspace stays bounded by `RUN_ELEMENTS`.
+over their stacked pages with one softmax (an online one, run by run, when the scores are big), so the
+workspace stays bounded by `RUN_ELEMENTS`.
 A row only ever reads pages of its own sequence's table.
 """
 
@@ -16,7 +17,8 @@ from typing import List, Optional, Sequence as Seq
 
 import mlx.core as mx
 
-from .attention import RUN_ELEMENTS, paged_attention
+from . import softmax
+from .attention import CHAIN_ELEMENTS, RUN_ELEMENTS, paged_attention
 from .cache import PagedKVCache
 from .pages import FULL, OPEN, QUANT
 
@@ -113,49 +115,48 @@ def _split_pages(cache: PagedKVCache):
 
 def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dict] = None):
     """One query per sequence, q [B, Hq, D] -> [B, Hq, Dv]: pages of each kind stacked per key run (short
-    sequences padded and masked), scored on their stored format, merged with an online softmax. Sealed
-    pages never change, so with a `memo` their stacks are reused while the batch's sealed pages stay the
-    same (only the open pages are stacked every step)."""
+    sequences padded and masked), scored on their stored format, merged with a softmax over all runs when
+    their scores fit one small block, else an online softmax run by run. Sealed pages never change, so with
+    a `memo` their stacks are reused while the batch's sealed pages stay the same (only the open pages are
+    stacked every step)."""
     B, Hq, D = q.shape
     c0 = caches[0]
-    H, P = c0.n_kv_heads, c0.seq.page_size
-    rep = Hq // H
-    qf = (q.astype(mx.float32) * scale).reshape(B * H, rep, D)
+    H = c0.n_kv_heads
+    qf = (q.astype(mx.float32) * scale).reshape(B * H, Hq // H, D)
+    runs = list(_key_runs(caches, memo, max(1, RUN_ELEMENTS // (B * Hq * c0.seq.page_size))))
+    prepared, shape = {}, (B * H, Hq // H, c0.value_dim)
+
+    def scores(ck, kparts, valid):
+        if id(ck) not in prepared:
+            prepared[id(ck)] = ck.prepare(qf)
+        s = ck.scores(prepared[id(ck)], kparts).astype(mx.float32)  # [B*H, rep, T]: whole pages, whole groups
+        return mx.where(valid, s, -float("inf"))
+
+    if B * Hq * sum(r[-1].shape[-1] for r in runs) <= min(CHAIN_ELEMENTS, RUN_ELEMENTS):
+        out = softmax.whole([scores(ck, k, ok) for ck, _, k, _, ok in runs], [(cv, v) for _, cv, _, v, _ in runs], shape)
+    else:
+        fold = softmax.Online(mx.full((B * H, Hq // H, 1), -float("inf")), mx.zeros((B * H, Hq // H, 1)))
+        for ck, cv, kparts, vparts, valid in runs:
+            fold.fold(scores(ck, kparts, valid), cv, vparts)
+        out = fold.result(shape)
+    return out.reshape(B, Hq, -1)
+
+
+def _key_runs(caches, memo: Optional[dict], run_pages: int):
+    """(key codec, value codec, stacked key parts, stacked value parts, valid [B*H, 1, T]) per run of at
+    most run_pages pages of one kind; sealed kinds come from `memo` when one is given."""
+    c0, P = caches[0], caches[0].seq.page_size
     split = [_split_pages(c) for c in caches]
-    m = mx.full((B * H, rep, 1), -float("inf"))
-    l = mx.zeros((B * H, rep, 1))
-    acc = []
-    run_pages = max(1, RUN_ELEMENTS // (B * Hq * P))
     for g, kind in enumerate(GROUPS):
         lists = [s[g] for s in split]
         most = max(len(x) for x in lists)
-        if most == 0:
-            continue
         ck, cv = c0.codecs if kind == QUANT else c0.full
-        qc = ck.prepare(qf)
-        o = None
         for p0 in range(0, most, run_pages):
             p1 = min(most, p0 + run_pages)
             if memo is None or kind == OPEN:
-                kparts, vparts, valid = _stack_run(lists, p0, p1, P, (ck, cv))
+                yield (ck, cv, *_stack_run(lists, p0, p1, P, (ck, cv)))
             else:
-                kparts, vparts, valid = _memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P, (ck, cv))
-            s = ck.scores(qc, kparts).astype(mx.float32)  # [B*H, rep, T]: runs are whole pages, whole groups
-            s = mx.where(valid, s, -float("inf"))
-            m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
-            m_safe = mx.where(m_new == -float("inf"), 0.0, m_new)
-            p = mx.exp(s - m_safe)
-            alpha = mx.exp(m - m_safe)
-            l = l * alpha + p.sum(axis=-1, keepdims=True)
-            acc = [(c, a * alpha) for c, a in acc]
-            o = cv.mix(p, vparts) if o is None else o * alpha + cv.mix(p, vparts)
-            m = m_new
-        acc.append((cv, o))
-    out = None
-    for cv, a in acc:
-        out = cv.finish(a) if out is None else out + cv.finish(a)
-    out = out / mx.maximum(l, 1e-30)
-    return out.reshape(B, Hq, -1)
+                yield (ck, cv, *_memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P, (ck, cv)))
 
 
 def memo_nbytes(memo: Optional[dict]) -> int:
@@ -166,13 +167,15 @@ def memo_nbytes(memo: Optional[dict]) -> int:
 
 
 def _memo_run(memo: dict, slot: tuple, lists, p0: int, p1: int, P: int, codecs):
-    """_stack_run of sealed pages, reused from `memo` while every row's pages in the run are the same
-    objects (the entry holds them, so their ids cannot be reused meanwhile); one entry per slot."""
+    """_stack_run of sealed pages with their 16-bit floats widened to float32 (what every read would cast
+    them to), reused from `memo` while every row's pages in the run are the same objects (the entry holds
+    them, so their ids cannot be reused meanwhile); one entry per slot."""
     key = tuple(tuple((n, id(page)) for n, page in x[p0:p1]) for x in lists)
     hit = memo.get(slot)
     if hit is not None and hit[0] == key:
         return hit[2]
-    run = _stack_run(lists, p0, p1, P, codecs)
+    k, v, valid = _stack_run(lists, p0, p1, P, codecs)
+    run = codecs[0].widened(k, mx.float32), codecs[1].widened(v, mx.float32), valid  # cast once, not every step
     memo[slot] = (key, [x[p0:p1] for x in lists], run)
     return run
 

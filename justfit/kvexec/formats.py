@@ -65,6 +65,10 @@ class FullCodec(Codec):
     def decode(self, parts):
         return parts[0]
 
+    def widened(self, parts, dtype):
+        """The page in dtype (16-bit storage read by a float32 model)."""
+        return (parts[0].astype(dtype),)
+
     def prepare(self, q):
         return q
 
