@@ -140,8 +140,8 @@ def test_channel_keys_scores_match_their_decode_and_beat_per_token_on_outlier_ch
 
 
 def test_quantized_configs_store_16_bit_floats_for_a_float32_model():
-    """On CPU (float32 compute) a default page is exactly 4.5 bits per element (codes + float16 scales and
-    biases per 64) and full-precision pages are float16; bits=16 keeps float32 (the lossless reference)."""
+    """On CPU (float32 compute) a default page is exactly 4.5 bits per element (codes + bfloat16 scales and
+    biases per 64) and full-precision pages are bfloat16; bits=16 keeps float32 (the lossless reference)."""
     from justfit.kvexec.cache import PagedKVCache
     from justfit.kvexec.pages import PagePool, Sequence
 
@@ -153,18 +153,20 @@ def test_quantized_configs_store_16_bit_floats_for_a_float32_model():
         assert first.kind == "fp" and first.nbytes == 2 * 3 * 256 * 64 * fp_bytes
         if q_bits is not None:
             assert second.kind == "q" and second.nbytes * 8 == 2 * 3 * 256 * 64 * q_bits
-            assert {a.dtype for a in second.k[1:] + second.v[1:]} == {mx.float16}
+            assert {a.dtype for a in second.k[1:] + second.v[1:]} == {mx.bfloat16}
+        assert {a.dtype for a in first.k + first.v} == {formats.storage_dtype(kv, mx.float32)}
 
 
 @pytest.mark.parametrize("kv", [KVConfig(quantized_kv_start=0), KVConfig(quantized_kv_start=0, bits=8)],
                          ids=lambda k: k.name)
 def test_16_bit_scales_read_exactly_and_old_float32_pages_still_read(kv):
     """Scores and mixes on 16-bit scales equal float32 math on the decoded page (MLX would compute them in
-    16 bits if the scales were not widened), and a page with float32 scales (written before) reads the same."""
+    16 bits if the scales were not widened), and pages with float32 or float16 scales (written by earlier
+    versions) read the same."""
     ck, cv = formats.make_codecs(kv, 64)
     x = mx.random.normal((2, 256, 64), key=mx.random.key(9))
     q = mx.random.normal((2, 6, 64), key=mx.random.key(10))
-    for parts in (ck.encode(x), ck.widened(ck.encode(x), mx.float32)):
+    for parts in (ck.encode(x), ck.widened(ck.encode(x), mx.float32), ck.widened(ck.encode(x), mx.float16)):
         assert mx.allclose(ck.scores(q, parts), q @ ck.decode(parts).swapaxes(-1, -2), atol=1e-5, rtol=1e-5)
     pv = cv.encode(x)
     p = mx.softmax(q @ x.swapaxes(-1, -2), axis=-1)

@@ -40,14 +40,33 @@ CASES = [(kv, 64) for kv in CONFIGS] + [(CONFIGS[1], 80), (CONFIGS[2], 80)]  # 8
 def test_kernel_path_gives_reference_logits(kv, head_dim, monkeypatch, emulator):
     model = tiny_llama(head_dim)
     kernels.CALLS.clear()
-    want, _ = _logits(model, kv, monkeypatch, "reference")
+    want, ref_caches = _logits(model, kv, monkeypatch, "reference")
     assert not kernels.CALLS  # the reference path never touches the kernels
     got, caches = _logits(model, kv, monkeypatch, emulator)
     # 2 layers x (6 decode steps + 1 verify of 4); prefill and the seal-crossing verify fall back.
     assert kernels.CALLS["attention"] == 2 * 7 and kernels.CALLS["fallback"] == 2 * 2
     assert kernels.CALLS["seal"] == 2 * 2 * 2  # pages 1 and 2 sealed quantized, K and V, 2 layers
     assert [p.kind for _, _, p in caches[0].pages()] == ["fp", "q", "q", "open"]
-    assert mx.allclose(got, want, rtol=1e-5, atol=1e-4), float(mx.abs(got - want).max())
+    atol = 1e-4
+    if kv.format == "rotated":  # the seal kernel rotates with a butterfly, the reference with a matmul: a value
+        # within rounding of a codebook boundary may take the neighbouring code (1 of 8,192 in layer 1 here)
+        assert _codes_differing(ref_caches, caches) <= 0.001, "kernel and reference seals disagree beyond rounding"
+        atol = 5e-3
+    assert mx.allclose(got, want, rtol=1e-5, atol=atol), float(mx.abs(got - want).max())
+
+
+def _codes_differing(a, b) -> float:
+    """Fraction of 4-bit codes that differ between two caches' quantized pages (same layout)."""
+    from justfit.kvexec.formats import unpack4
+
+    n = same = 0
+    for ca, cb in zip(a, b):
+        for (_, _, p), (_, _, q) in zip(ca.pages(), cb.pages()):
+            if p.kind == "q":
+                for x, y in ((p.k[0], q.k[0]), (p.v[0], q.v[0])):
+                    n += unpack4(x).size
+                    same += int((unpack4(x) == unpack4(y)).sum())
+    return 1 - same / n
 
 
 def test_partial_last_quantized_page_and_fp_window(monkeypatch, emulator):
