@@ -118,6 +118,7 @@ def _prepared(cache, qb, run, memo):
 
 
 def _sink_column(sinks, H, M, rows):
+    """[H, M, 1] each query row's attention-sink logit (its head's), a key with no value."""
     return mx.broadcast_to(sinks.astype(mx.float32).reshape(H, -1, 1, 1), (H, M // rows, rows, 1)).reshape(H, M, 1)
 
 
@@ -125,6 +126,8 @@ def _attend_whole(cache, qb, runs, first, last, window, dense_mask, sinks):
     """All visible keys' scores fit one small block (decode, short prefill): one softmax over them, no
     online merge, so a few ops per run instead of a dozen (ops, not bytes, bound a short decode)."""
     H, M, _ = qb.shape
+    if not runs:  # nothing visible
+        return mx.zeros((H, M, cache.value_dim))
     rows, P, memo = last - first + 1, cache.seq.page_size, {}
     scores, values = ([], []) if sinks is None else ([_sink_column(sinks, H, M, rows)], [None])
     for run in runs:
@@ -132,8 +135,6 @@ def _attend_whole(cache, qb, runs, first, last, window, dense_mask, sinks):
         keys = _concat(run, ck, 0, P)
         scores.append(_run_scores(cache, run, _prepared(cache, qb, run, memo), keys, first, last, window, dense_mask, rows))
         values.append((cv, _concat(run, cv, 1, P)))
-    if not runs:
-        return mx.zeros((H, M, cache.value_dim))
     return softmax.whole(scores, values, (H, M, cache.value_dim))
 
 

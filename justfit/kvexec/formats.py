@@ -28,7 +28,7 @@ def _pad(x: mx.array, d: int) -> mx.array:
 
 def storage_dtype(kv, dtype):
     """The float dtype of what a quantized config stores (scales, biases, full-precision pages): 16-bit, so
-    bfloat16 when the model computes in float32 (half the bytes; widening it back is a shift, 7x cheaper than
+    bfloat16 when the model computes in float32 (half the bytes; widening it back is a shift, 5-8x cheaper than
     float16's on MLX's CPU backend, and quality is the same within noise: FORMAT.md); a model already in 16 bits
     keeps its dtype, and bits=16 (the lossless reference) stores as it gets."""
     return mx.bfloat16 if kv.bits != 16 and dtype == mx.float32 else dtype
