@@ -5,9 +5,8 @@ import mlx.core as mx
 import pytest
 
 from justfit.config import KVConfig
-from justfit.kvexec import make_cache
+from justfit.kvexec import attention, make_cache
 from justfit.kvexec.attention import paged_attention
-from justfit.kvexec import batch
 from justfit.kvexec.batch import BatchPlan, _decode_batch, forward
 from justfit.kvexec.pages import Page, PagePool
 
@@ -126,7 +125,7 @@ def _filled_cache(kv, n_tokens, H=3, D=64, seed=0, pool=None):
 def test_decode_batch_matches_single_sequence_attention(kv, online, monkeypatch):
     """Both merges of batched decode: one softmax over all runs, and run by run (big batches, long contexts)."""
     if online:
-        monkeypatch.setattr(batch, "CHAIN_ELEMENTS", 0)
+        monkeypatch.setattr(attention, "CHAIN_ELEMENTS", 0)  # every block too big: run by run
     pool = PagePool(1, kv.page_size)
     lengths = [1, 31, 32, 33, 150, 453]
     caches = [_filled_cache(kv, n, seed=i, pool=pool) for i, n in enumerate(lengths)]

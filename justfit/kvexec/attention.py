@@ -89,9 +89,15 @@ def _concat(pages, codec, which, page_size):
 def _attend_block(cache, qb, first, last, window, dense_mask, sinks, run_tokens):
     H, M, _ = qb.shape
     runs = _runs(_visible_pages(cache, first, last, window), run_tokens)
-    if H * M * (sum(n for run in runs for _, n, _ in run) + 1) <= min(CHAIN_ELEMENTS, RUN_ELEMENTS):
+    if fits_one_softmax(H * M * (sum(n for run in runs for _, n, _ in run) + 1)):
         return _attend_whole(cache, qb, runs, first, last, window, dense_mask, sinks)
     return _attend_online(cache, qb, runs, first, last, window, dense_mask, sinks)
+
+
+def fits_one_softmax(elements: int) -> bool:
+    """True when a block's scores over all its runs (heads x query rows x keys) are few enough to normalize in
+    one softmax (softmax.whole) within the workspace bound; else they fold run by run (softmax.Online)."""
+    return elements <= min(CHAIN_ELEMENTS, RUN_ELEMENTS)
 
 
 def _run_scores(cache, run, qx, keys, first, last, window, dense_mask, rows):

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence as Seq
 import mlx.core as mx
 
 from . import softmax
-from .attention import CHAIN_ELEMENTS, RUN_ELEMENTS, paged_attention
+from .attention import RUN_ELEMENTS, fits_one_softmax, paged_attention
 from .cache import PagedKVCache
 from .pages import FULL, OPEN, QUANT
 
@@ -132,7 +132,7 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
         s = ck.scores(prepared[id(ck)], kparts).astype(mx.float32)  # [B*H, rep, T]: whole pages, whole groups
         return mx.where(valid, s, -float("inf"))
 
-    if B * Hq * sum(r[-1].shape[-1] for r in runs) <= min(CHAIN_ELEMENTS, RUN_ELEMENTS):
+    if fits_one_softmax(B * Hq * sum(r[-1].shape[-1] for r in runs)):
         out = softmax.whole([scores(ck, k, ok) for ck, _, k, _, ok in runs], [(cv, v) for _, cv, _, v, _ in runs], shape)
     else:
         fold = softmax.Online(mx.full((B * H, Hq // H, 1), -float("inf")), mx.zeros((B * H, Hq // H, 1)))
