@@ -116,11 +116,33 @@ def test_whole_and_online_softmax_agree(fmt, monkeypatch):
             monkeypatch.setattr(attention, "CHAIN_ELEMENTS", 1 << 20)
             n = len(calls)
             whole = attention.paged_attention(q, cache, 0.125, mask, sinks)
-            assert len(calls) == n + 1
+            fused = fmt == dict(bits=16) and mask is None  # every key visible in full precision: MLX's fused attention
+            assert len(calls) == n + (not fused)
             monkeypatch.setattr(attention, "CHAIN_ELEMENTS", 0)  # every block too big: run by run
             online = attention.paged_attention(q, cache, 0.125, mask, sinks)
-            assert len(calls) == n + 1
+            assert len(calls) == n + (not fused)
             np.testing.assert_allclose(np.array(whole), np.array(online), atol=1e-5, rtol=1e-4)
+
+
+def test_full_precision_pages_use_fused_attention(monkeypatch):
+    """While no page is quantized (a short chat, the first pages), MLX's fused attention runs on the pages' float
+    K/V: same output as the paged path, with sinks, a window covering every key, and causal prefill blocks."""
+    kv = KVConfig(page_size=32, quantized_kv_start=64)
+    cache, rng = _cache(kv), np.random.default_rng(9)
+    cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 70, 64)).astype(np.float32)) for _ in "kv"))
+    assert {p.kind for _, _, p in cache.pages()} == {"fp", "open"}
+    fused, real = [], mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda *a, **k: fused.append(1) or real(*a, **k))
+    for L in (1, 6):
+        q = mx.array(rng.standard_normal((1, 4, L, 64)).astype(np.float32))
+        for sinks, window in ((None, None), (mx.array([0.5, -1.0, 2.0, 0.0]), None), (None, 100)):
+            n = len(fused)
+            _check(cache, q, window=window, sinks=sinks)
+            assert len(fused) == n + 1
+    cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 30, 64)).astype(np.float32)) for _ in "kv"))
+    n = len(fused)  # a sealed 4-bit page now: the paged path
+    _check(cache, mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32)), atol=0.05)
+    assert len(fused) == n
 
 
 def test_window_skips_pages_outside_it():
