@@ -98,6 +98,7 @@ class Engine:
         self.kv_bytes = KVBytes(model, kv) if kv is not None else None  # None: no KV arithmetic (0 bytes)
         self._executor = None
         self._stacks: dict = {}  # batched decode: stacked sealed pages reused across steps (kvexec/batch.py)
+        self._ahead: Optional[tuple] = None  # (plan, logits, argmax) of the next step, queued early (_queue_next)
         self.pool = index.pool if index is not None else None  # set from the first cache otherwise
 
     # -- requests ----------------------------------------------------------------------------------
@@ -157,38 +158,74 @@ class Engine:
         import mlx.core as mx
 
         with self.lock:
-            self._admit()
-            lone = self._lone_speculative()
-            if lone is not None and self._speculate(lone):
-                return 1
-            plan = self._assemble()
-            if not plan:
-                return 0
-            if self.residency is not None:
-                self.residency.enter("decode")
-            t0 = time.perf_counter()
-            ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
-            logits = self._forward(plan, ids)
-            for r, n in plan:
-                first_time = max(0, r.cached + n - max(len(r.prompt), r.high, r.cached))  # generated ids fed once
-                r.stats.prefilled_tokens += n - first_time  # prompt rows and recomputed rows, not decode rows
-                r.cached += n
-                r.high = max(r.high, r.cached)
-            greedy = mx.argmax(logits, axis=-1)  # every plain greedy row's token, in the same evaluation
-            mx.eval(logits, greedy, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
+            ahead, self._ahead, lone, t0 = self._ahead, None, None, time.perf_counter()
+            plan = [] if ahead is None else [(r, n) for r, n in ahead[0] if r.state == RUNNING]
+            if plan:  # this step's pass was queued by the last one: its rows' tokens are in their caches
+                logits, greedy = ahead[1], ahead[2]
+                rows = [j for j, (r, _) in enumerate(ahead[0]) if r.state == RUNNING]
+                if len(rows) < len(ahead[0]):  # a row was cancelled in between
+                    logits, greedy = logits[mx.array(rows)], greedy[mx.array(rows)]
+                for r, n in plan:
+                    r.cached += n
+                    r.high = max(r.high, r.cached)
+            else:
+                self._admit()
+                lone = self._lone_speculative()
+                if lone is not None and self._speculate(lone):
+                    return 1
+                plan = self._assemble()
+                if not plan:
+                    return 0
+                if self.residency is not None:
+                    self.residency.enter("decode")
+                t0 = time.perf_counter()
+                ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
+                logits = self._forward(plan, ids)
+                for r, n in plan:
+                    first_time = max(0, r.cached + n - max(len(r.prompt), r.high, r.cached))  # generated ids fed once
+                    r.stats.prefilled_tokens += n - first_time  # prompt rows and recomputed rows, not decode rows
+                    r.cached += n
+                    r.high = max(r.high, r.cached)
+                greedy = mx.argmax(logits, axis=-1)  # every plain greedy row's token, in the same evaluation
+                mx.async_eval(logits, greedy, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
+            nxt = self._queue_next(plan, greedy)  # built while this pass computes
+            greedy = greedy.tolist()
             self.steps += 1
             now = time.perf_counter()
-            greedy = greedy.tolist()
             if lone is not None and self.gate is not None and plan == [(lone, 1)]:
-                self.gate.plain(time.perf_counter() - t0)  # what a plain step costs, for the drafting gate
+                self.gate.plain(now - t0)  # what a plain step costs, for the drafting gate
             for j, (r, n) in enumerate(plan):
                 self._publish_sealed(r, r.cached - n)
                 if r.cached == len(r.feed):
                     self._take(r, self._choose(r, logits[j], greedy[j]), now)
-            return len(ids)
+            self._ahead = nxt
+            return sum(n for _, n in plan)
 
-    def _forward(self, plan: List[tuple], ids: List[int]):
-        """Logits [len(plan), vocab] at each request's last row. A lone decode row runs mlx-lm's
+    def _queue_next(self, plan: List[tuple], greedy) -> Optional[tuple]:
+        """When every running request is a plain greedy decoder with tokens left and nobody waits, queue the
+        next step's pass on this step's argmax before reading it (as mlx-lm's generate loop does): building
+        the graph overlaps the computation. A row that stops at this token had one token too many fed; its
+        sequence is released (pages hold only what `cached` says)."""
+        import mlx.core as mx
+
+        if self.queue or len(plan) != len(self.running) or (self.drafter is not None and len(plan) == 1):
+            return None  # someone to admit, a prefill to finish, or a lone request that drafts instead
+        for r, _ in plan:
+            if r.cached != len(r.feed) or not r.sampling.plain_greedy or len(r.out) + 2 > r.max_tokens:
+                return None
+        nxt = [(r, 1) for r, _ in plan]
+        if not self._fits(sum(self._grow_bytes(r, 1) for r, _ in nxt)):
+            return None
+        for r, _ in nxt:
+            r.caches[0].seq.reserve(r.cached + 1)
+        logits = self._forward(nxt, greedy)
+        greedy = mx.argmax(logits, axis=-1)
+        mx.async_eval(logits, greedy)
+        return nxt, logits, greedy
+
+    def _forward(self, plan: List[tuple], ids):
+        """Logits [len(plan), vocab] at each request's last row; ids: a list, or the last step's argmax
+        array (a queued step, _queue_next). A lone decode row runs mlx-lm's
         single-sequence call on its own caches: at c=1 that is the plain token loop (4-13 ms/step less on
         the 2-core CPU than the batched pass, whose decode attention stacks a padded page run every step)."""
         import mlx.core as mx
@@ -196,7 +233,7 @@ class Engine:
         from .kvexec.batch import BatchPlan, forward
 
         if len(plan) == 1 and plan[0][1] == 1:
-            return self.model(mx.array([ids]), cache=plan[0][0].caches)[:, -1]
+            return self.model(mx.array(ids).reshape(1, 1), cache=plan[0][0].caches)[:, -1]
         return forward(self.model, BatchPlan([(r.caches, n) for r, n in plan], self._memo(plan)), ids)
 
     def _memo(self, plan: List[tuple]) -> Optional[dict]:
@@ -206,8 +243,8 @@ class Engine:
         if self.budget_bytes is None or self.kv_bytes is None:
             return self._stacks
         P = self.kv.page_size
-        decoders = [r for r, n in plan if n == 1 and _decoding(r)]
-        longest = max((r.cached // P * P for r in decoders), default=0)
+        decoders = [r for r, n in plan if n == 1]  # rows batched decode reads through the stacks
+        longest = max(((r.cached + 1) // P * P for r in decoders), default=0)  # sealed pages during the pass
         stacks = 2 * len(decoders) * self.kv_bytes.seq(longest)  # kept widened to float32: at most 2x stored
         if self.pool.nbytes + stacks <= self.budget_bytes:
             return self._stacks

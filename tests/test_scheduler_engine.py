@@ -203,3 +203,24 @@ def test_stacked_pages_count_in_the_budget(rt):
     assert kept == 0 and tight.preempted == 0
     ref, kept = run(free)  # (attaches the pages the tight run cached: same tokens either way)
     assert kept > 0 and got == ref  # three decoders with sealed pages: without a budget stacks are kept
+
+
+def test_decode_steps_are_queued_ahead_and_a_cancel_in_between_is_exact(rt):
+    """While every running request decodes greedily, each step queues the next pass on its argmax before
+    reading it (mlx-lm's overlap); tokens equal each request run alone, a request cancelled while a pass
+    is queued leaves the others exact, and every reference goes back to the index."""
+    index = rt.index
+    eng = _engine(rt)
+    prompts = [rt.encode(_unique(t)) for t in ("Name three rivers.", "Describe rain. " * 5, "Count to five.")]
+    reqs = [eng.submit(p, max_tokens=12) for p in prompts]
+    queued = 0
+    while not all(r.done for r in reqs):
+        eng.step()
+        queued += eng._ahead is not None
+        if eng._ahead is not None and len(reqs[1].out) == 4 and not reqs[1].done:
+            reqs[1].cancel()  # its row of the queued pass is dropped
+    assert queued > 10  # the mechanism ran on most steps
+    assert reqs[1].finish_reason == "cancelled" and len(reqs[1].out) == 4
+    for i in (0, 2):
+        assert reqs[i].result().tokens == greedy_alone(rt, prompts[i], 12)
+    assert index.sequence_refs() == 0

@@ -212,8 +212,9 @@ def _cat(parts_list, template, n: int, T: int):
 
 
 def forward(model, plan: BatchPlan, tokens: Seq[int]):
-    """Logits [segments, vocab] at each segment's last row after one forward pass over the plan's rows."""
-    inputs = mx.array(list(tokens))[:, None]
+    """Logits [segments, vocab] at each segment's last row after one forward pass over the plan's rows;
+    tokens: ids, or an array of them (not yet computed, when the caller queues a step ahead)."""
+    inputs = (tokens if isinstance(tokens, mx.array) else mx.array(list(tokens)))[:, None]
     rows = mx.array(plan.last_rows())
     inner, args = getattr(model, "model", None), getattr(model, "args", None)
     if inner is not None and type(model).__module__.rsplit(".", 1)[-1] in _HEAD_MODELS:
