@@ -8,7 +8,9 @@ or the one token sampled last step) and, when that piece reaches the end of `fee
 token from the piece's last row. Decode, chunked prefill, forced grammar tokens and resuming a preempted
 request are the same operation. Prefixes are shared through the runtime's prefix index (statetrans): a
 request whose prefix another admitted request is still computing waits for its pages instead of
-prefilling them twice. Sampling and stop strings are generation.py's (`Sampling`, `StopText`).
+prefilling them twice. Sampling and stop strings are generation.py's (`Sampling`, `StopText`). While every
+running request decodes greedily, each step queues the next pass on its argmax before reading it, so
+building the graph overlaps the computation (mlx-lm's loops do the same).
 """
 
 import itertools
