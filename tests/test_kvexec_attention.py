@@ -145,31 +145,6 @@ def test_full_precision_pages_use_fused_attention(monkeypatch):
     assert len(fused) == n
 
 
-@pytest.mark.parametrize("fmt", [dict(bits=4), dict(bits=4, format="rotated"), dict(bits=8)], ids=str)
-def test_a_chunk_attends_to_its_own_tokens_in_float(fmt):
-    """A prefill chunk that seals quantized pages reads its own tokens from their float K/V (the handles'
-    `fresh`), earlier tokens from their pages: the reference is float attention over the dequantized earlier
-    keys followed by the chunk's exact ones. A decode row gets no fresh arrays (its pages are what it reads)."""
-    kv = KVConfig(page_size=32, quantized_kv_start=0, **fmt)
-    cache, rng = _cache(kv), np.random.default_rng(3)
-    new = lambda n: mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))  # noqa: E731
-    for first, n in ((0, 100), (100, 75)):
-        k, v = new(n), new(n)
-        kh, _ = cache.update_and_fetch(k, v)
-        assert kh.fresh is not None and kh.fresh[0] == first
-        kd, vd = cache.dense_kv()  # pages: the chunk's own tokens quantized where they sealed
-        kr = mx.concatenate([kd[:, :, :first], k], axis=2)
-        vr = mx.concatenate([vd[:, :, :first], v], axis=2)
-        q = mx.array(rng.standard_normal((1, 4, n, 64)).astype(np.float32))
-        out = attention.paged_attention(q, cache, 0.125, "causal", None, kh.fresh)
-        np.testing.assert_allclose(np.array(out), np.array(reference(q, kr, vr, 0.125)), atol=2e-5, rtol=1e-4)
-        assert float(mx.abs(attention.paged_attention(q, cache, 0.125, "causal") - out).max()) > 1e-3  # pages differ
-    kh, _ = cache.update_and_fetch(new(1), new(1))
-    assert cache.offset == 176 and kh.fresh is None  # decode: no fresh arrays, even when it seals a page
-    kh, _ = cache.update_and_fetch(new(4), new(4))
-    assert kh.fresh is None  # nothing sealed quantized: the pages are still float
-
-
 def test_window_skips_pages_outside_it():
     cache = _cache(KVConfig(bits=16, page_size=32))
     k = mx.random.normal((1, 1, 200, 64))
@@ -191,9 +166,9 @@ def test_workspace_is_bounded(monkeypatch):
     seen = []
     real = attention._attend_block
 
-    def spy(cache_, pages, qb, first, last, window, dense_mask, sinks, run_tokens):
+    def spy(cache_, qb, first, last, window, dense_mask, sinks, run_tokens):
         seen.append(qb.shape[1] * run_tokens * qb.shape[0])
-        return real(cache_, pages, qb, first, last, window, dense_mask, sinks, run_tokens)
+        return real(cache_, qb, first, last, window, dense_mask, sinks, run_tokens)
 
     monkeypatch.setattr(attention, "_attend_block", spy)
     q = mx.random.normal((1, 4, 200, 64))
@@ -201,14 +176,6 @@ def test_workspace_is_bounded(monkeypatch):
     out = attention.paged_attention(q, cache, 0.125)
     assert len(seen) > 1 and max(seen) <= 4 * 64 * 32 * 2
     np.testing.assert_allclose(np.array(out), np.array(reference(q, kd, vd, 0.125)), atol=2e-4, rtol=1e-3)
-    seen.clear()  # a chunk's own float tokens are read in page-sized pieces: the same bound
-    kh, _ = cache.update_and_fetch(k[:, :, :200], k[:, :, :200])
-    assert kh.fresh is not None
-    out = attention.paged_attention(q, cache, 0.125, "causal", None, kh.fresh)
-    assert len(seen) > 1 and max(seen) <= 4 * 64 * 32 * 2
-    kd, vd = cache.dense_kv()
-    kr, vr = (mx.concatenate([d[:, :, :600], k[:, :, :200]], axis=2) for d in (kd, vd))
-    np.testing.assert_allclose(np.array(out), np.array(reference(q, kr, vr, 0.125)), atol=2e-4, rtol=1e-3)
 
 
 def _lazy_peak(ctx, monkeypatch):

@@ -56,18 +56,17 @@ class BatchLayer:
 
     def __init__(self, plan: BatchPlan, layer: int):
         self.plan, self.layer = plan, layer
-        self.fresh: List[Optional[tuple]] = []  # per segment, this step's PagedKV.fresh (for its prefill rows)
 
     @property
     def offset(self):
         return self.plan.positions  # one RoPE position per row
 
     def update_and_fetch(self, keys, values):
-        r, self.fresh = 0, []
+        r = 0
         for caches, n in self.plan.segments:
             k = keys[r : r + n, :, 0].transpose(1, 0, 2)[None]
             v = values[r : r + n, :, 0].transpose(1, 0, 2)[None]
-            self.fresh.append(caches[self.layer].update_and_fetch(k, v)[0].fresh)  # (PagedKV.fresh)
+            caches[self.layer].update_and_fetch(k, v)
             r += n
         return BatchKV(self), BatchKV(self)
 
@@ -84,14 +83,14 @@ class BatchLayer:
 def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
     """queries [T, Hq, 1, D] (one row per token) -> [T, Hq, 1, Dv], each row over its own sequence's pages."""
     out, decode, r = [], [], 0
-    for i, (caches, n) in enumerate(layer.plan.segments):
+    for caches, n in layer.plan.segments:
         cache = caches[layer.layer]
         if n == 1 and cache.window is None and sinks is None and not cache.dense:
             decode.append((len(out), r, cache))
             out.append(None)
         else:
             q = queries[r : r + n, :, 0].transpose(1, 0, 2)[None]
-            o = paged_attention(q, cache, scale, "causal" if n > 1 else None, sinks, layer.fresh[i])
+            o = paged_attention(q, cache, scale, "causal" if n > 1 else None, sinks)
             out.append(o[0].transpose(1, 0, 2)[:, :, None])
         r += n
     if decode:

@@ -19,12 +19,10 @@ from .pages import FULL, OPEN, QUANT, Page, Sequence
 
 
 class PagedKV:
-    """Handle standing for one layer's keys or values; `shape` mimics the array mlx-lm would get. `fresh`:
-    (first position, keys [H, L, D], values) of the update that made it, in float, when that update sealed
-    a quantized page: its own queries attend to those tokens in float (as in mlx-lm), not to their 4-bit codes."""
+    """Handle standing for one layer's keys or values; `shape` mimics the array mlx-lm would get."""
 
-    def __init__(self, cache: "PagedKVCache", which: str, fresh: Optional[tuple] = None):
-        self.cache, self.which, self.fresh = cache, which, fresh
+    def __init__(self, cache: "PagedKVCache", which: str):
+        self.cache, self.which = cache, which
 
     @property
     def shape(self):
@@ -75,8 +73,7 @@ class PagedKVCache(_BaseCache):
         self.seq.lengths[self.layer] = start + L
         if self.dense:
             return self.dense_kv()
-        fresh = (start, keys[0], values[0]) if L > 1 and self._seals_quantized(start, start + L) else None
-        return PagedKV(self, "k", fresh), PagedKV(self, "v", fresh)
+        return PagedKV(self, "k"), PagedKV(self, "v")
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         window = window_size or self.window
@@ -168,12 +165,6 @@ class PagedKVCache(_BaseCache):
         if off + k.shape[1] == P:
             return self._seal(pid, index, kb, vb)
         self.seq.pool.put(self.layer, pid, Page(OPEN, (kb,), (vb,)))
-
-    def _seals_quantized(self, start: int, end: int) -> bool:
-        """True when writing positions [start, end) fills a page that seals quantized."""
-        P = self.seq.page_size
-        last = end // P - 1  # the last page this write fills
-        return self.kv.bits != 16 and last >= start // P and last * P >= self.kv.quantized_kv_start
 
     def _fresh(self, H, P, D):
         fill = float("nan") if self.poison else 0.0

@@ -43,7 +43,7 @@ def _dispatcher(original):
         a = signature.bind(queries, keys, values, *args, **kwargs).arguments
         if isinstance(keys, BatchKV):  # -- batching (scheduler): B sequences in one call, kvexec/batch.py
             return batch_attention(queries, keys.layer, a["scale"], a.get("sinks"))
-        return paged_attention(queries, keys.cache, a["scale"], a.get("mask"), a.get("sinks"), keys.fresh)
+        return paged_attention(queries, keys.cache, a["scale"], a.get("mask"), a.get("sinks"))
 
     scaled_dot_product_attention.kvexec_original = original
     return scaled_dot_product_attention
