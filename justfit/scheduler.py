@@ -157,20 +157,10 @@ class Engine:
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> int:
         """Admit, assemble and run one batched forward pass, sample, emit. Returns rows computed."""
-        import mlx.core as mx
-
         with self.lock:
-            ahead, self._ahead, lone, t0 = self._ahead, None, None, time.perf_counter()
-            plan = [] if ahead is None else [(r, n) for r, n in ahead[0] if r.state == RUNNING]
-            if plan:  # this step's pass was queued by the last one: its rows' tokens are in their caches
-                logits, greedy = ahead[1], ahead[2]
-                rows = [j for j, (r, _) in enumerate(ahead[0]) if r.state == RUNNING]
-                if len(rows) < len(ahead[0]):  # a row was cancelled in between
-                    logits, greedy = logits[mx.array(rows)], greedy[mx.array(rows)]
-                for r, n in plan:
-                    r.cached += n
-                    r.high = max(r.high, r.cached)
-            else:
+            lone, t0 = None, time.perf_counter()
+            current = self._queued_pass()
+            if current is None:
                 self._admit()
                 lone = self._lone_speculative()
                 if lone is not None and self._speculate(lone):
@@ -181,15 +171,8 @@ class Engine:
                 if self.residency is not None:
                     self.residency.enter("decode")
                 t0 = time.perf_counter()
-                ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
-                logits = self._forward(plan, ids)
-                for r, n in plan:
-                    first_time = max(0, r.cached + n - max(len(r.prompt), r.high, r.cached))  # generated ids fed once
-                    r.stats.prefilled_tokens += n - first_time  # prompt rows and recomputed rows, not decode rows
-                    r.cached += n
-                    r.high = max(r.high, r.cached)
-                greedy = mx.argmax(logits, axis=-1)  # every plain greedy row's token, in the same evaluation
-                mx.async_eval(logits, greedy, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
+                current = self._run_pass(plan)
+            plan, logits, greedy = current
             nxt = self._queue_next(plan, greedy)  # built while this pass computes
             greedy = greedy.tolist()
             self.steps += 1
@@ -202,6 +185,40 @@ class Engine:
                     self._take(r, self._choose(r, logits[j], greedy[j]), now)
             self._ahead = nxt
             return sum(n for _, n in plan)
+
+    def _queued_pass(self) -> Optional[tuple]:
+        """(plan, logits, argmax) of the pass the last step queued, without rows cancelled since; None if none."""
+        import mlx.core as mx
+
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        rows = [j for j, (r, _) in enumerate(ahead[0]) if r.state == RUNNING]
+        if not rows:
+            return None
+        plan, logits, greedy = ahead
+        if len(rows) < len(plan):  # a row was cancelled in between: its output is dropped
+            plan = [plan[j] for j in rows]
+            logits, greedy = logits[mx.array(rows)], greedy[mx.array(rows)]
+        for r, n in plan:  # their tokens are in their caches since that pass was built
+            r.cached += n
+            r.high = max(r.high, r.cached)
+        return plan, logits, greedy
+
+    def _run_pass(self, plan: List[tuple]) -> tuple:
+        """Build and start one forward pass over `plan`: (plan, logits, argmax), evaluating asynchronously."""
+        import mlx.core as mx
+
+        ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
+        logits = self._forward(plan, ids)
+        for r, n in plan:
+            first_time = max(0, r.cached + n - max(len(r.prompt), r.high, r.cached))  # generated ids fed once
+            r.stats.prefilled_tokens += n - first_time  # prompt rows and recomputed rows, not decode rows
+            r.cached += n
+            r.high = max(r.high, r.cached)
+        greedy = mx.argmax(logits, axis=-1)  # every plain greedy row's token, in the same evaluation
+        mx.async_eval(logits, greedy, *[c.state for r, _ in plan if r.cached < len(r.feed) for c in r.caches])
+        return plan, logits, greedy
 
     def _queue_next(self, plan: List[tuple], greedy) -> Optional[tuple]:
         """When every running request is a plain greedy decoder with tokens left and nobody waits, queue the

@@ -64,7 +64,7 @@ def _fused_applies(cache, mask, window, rows) -> bool:
 
 def _attend_full(queries, cache, scale, sinks):
     """Full-precision pages only: MLX's fused attention on their float K/V, 3-4 ops where the paged path
-    takes ~15 (ops, not bytes, bound a short decode on the CPU: 164 vs 282 us a layer at 130 tokens)."""
+    takes ~15 (ops, not bytes, bound a short decode on the CPU: 185 vs 282 us a layer at 130 tokens)."""
     (ck, cv), P = cache.full, cache.seq.page_size
     ks, vs = [], []
     for _, n, page in cache.pages():
