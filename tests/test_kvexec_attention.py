@@ -166,9 +166,9 @@ def test_workspace_is_bounded(monkeypatch):
     seen = []
     real = attention._attend_block
 
-    def spy(cache_, qb, first, last, window, dense_mask, sinks, run_tokens):
+    def spy(cache_, pages, qb, first, last, window, dense_mask, sinks, run_tokens):
         seen.append(qb.shape[1] * run_tokens * qb.shape[0])
-        return real(cache_, qb, first, last, window, dense_mask, sinks, run_tokens)
+        return real(cache_, pages, qb, first, last, window, dense_mask, sinks, run_tokens)
 
     monkeypatch.setattr(attention, "_attend_block", spy)
     q = mx.random.normal((1, 4, 200, 64))

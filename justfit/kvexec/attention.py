@@ -34,8 +34,9 @@ def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks
     H = cache.n_kv_heads
     rep, P = Hq // H, cache.seq.page_size
     window = mask.window if isinstance(mask, PagedMask) else cache.window
-    if _fused_applies(cache, mask, window, Hq * L):
-        return _attend_full(queries, cache, scale, sinks)
+    pages = cache.pages()  # walked once per call: the fused test, then whichever path reads them
+    if _fused_applies(cache, pages, mask, window, Hq * L):
+        return _attend_full(queries, cache, pages, scale, sinks)
     dense_mask = mask if isinstance(mask, mx.array) else None
     q = (queries[0].astype(mx.float32) * scale).reshape(H, rep, L, -1)
     q_first = cache.offset - L  # absolute position of query 0
@@ -48,31 +49,26 @@ def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks
         if out:  # several blocks only in a long prefill: one block at a time, as runs are (see _attend_block)
             qb = mx.depends(qb, out[-1])
         sub = None if dense_mask is None else _mask_block(dense_mask, Hq, H, l0, l1)
-        o = _attend_block(cache, qb, q_first + l0, q_first + l1 - 1, window, sub, sinks, run_tokens)
+        o = _attend_block(cache, pages, qb, q_first + l0, q_first + l1 - 1, window, sub, sinks, run_tokens)
         out.append(o.reshape(H, rep, l1 - l0, -1))
     o = out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
     return o.reshape(1, Hq, L, -1).astype(queries.dtype)
 
 
-def _fused_applies(cache, mask, window, rows) -> bool:
+def _fused_applies(cache, pages, mask, window, rows) -> bool:
     """True when no page is quantized, every key is visible (causal only) and all scores fit the one-softmax
     bound: a short chat, a short prompt's prefill, the first pages of any sequence."""
     if isinstance(mask, mx.array) or (window is not None and cache.offset > window):
         return False
-    return fits_one_softmax(rows * (cache.offset + 1)) and all(p.kind != QUANT for _, _, p in cache.pages())
+    return fits_one_softmax(rows * (cache.offset + 1)) and all(p.kind != QUANT for _, _, p in pages)
 
 
-def _attend_full(queries, cache, scale, sinks):
+def _attend_full(queries, cache, pages, scale, sinks):
     """Full-precision pages only: MLX's fused attention on their float K/V, 3-4 ops where the paged path
     takes ~15 (ops, not bytes, bound a short decode on the CPU: 185 vs 282 us a layer at 130 tokens)."""
     (ck, cv), P = cache.full, cache.seq.page_size
-    ks, vs = [], []
-    for _, n, page in cache.pages():
-        k, v = page.parts()
-        ks.append(ck.take(k, n)[0] if n < P else k[0])
-        vs.append(cv.take(v, n)[0] if n < P else v[0])
-    k = (ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=1)).astype(queries.dtype)
-    v = (vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=1)).astype(queries.dtype)
+    k = _concat(pages, ck, 0, P)[0].astype(queries.dtype)  # one run of float pages
+    v = _concat(pages, cv, 1, P)[0].astype(queries.dtype)
     causal = "causal" if queries.shape[2] > 1 else None  # queries are the last L positions (a window, if any, covers all)
     return mx.fast.scaled_dot_product_attention(queries, k[None], v[None], scale=scale, mask=causal, sinks=sinks)
 
@@ -83,10 +79,10 @@ def _mask_block(mask, Hq, H, l0, l1):
     return m.reshape(H, -1, m.shape[-1])
 
 
-def _visible_pages(cache, first, last, window):
+def _visible_pages(pages, first, last, window):
     """Pages at least one query in [first, last] can see: causal, and inside the window if any."""
     lo = 0 if window is None else first - window + 1
-    return [(s, n, p) for s, n, p in cache.pages() if s <= last and s + n - 1 >= lo]
+    return [(s, n, p) for s, n, p in pages if s <= last and s + n - 1 >= lo]
 
 
 def _runs(pages, run_tokens):
@@ -112,9 +108,9 @@ def _concat(pages, codec, which, page_size):
     return tuple(mx.concatenate(list(col), axis=1) for col in zip(*cut))
 
 
-def _attend_block(cache, qb, first, last, window, dense_mask, sinks, run_tokens):
+def _attend_block(cache, pages, qb, first, last, window, dense_mask, sinks, run_tokens):
     H, M, _ = qb.shape
-    runs = _runs(_visible_pages(cache, first, last, window), run_tokens)
+    runs = _runs(_visible_pages(pages, first, last, window), run_tokens)
     if fits_one_softmax(H * M * (sum(n for run in runs for _, n, _ in run) + 1)):
         return _attend_whole(cache, qb, runs, first, last, window, dense_mask, sinks)
     return _attend_online(cache, qb, runs, first, last, window, dense_mask, sinks)
