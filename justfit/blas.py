@@ -3,7 +3,9 @@
 The `mlx[cpu]` wheel links the reference BLAS it bundles (~8 GFLOP/s here); OpenBLAS loaded with
 RTLD_GLOBAL first interposes the same symbols (~120 GFLOP/s), like LD_PRELOAD but in-process, so the
 CLI, the tests and Python users all get it without a re-exec. JUSTFIT_OPENBLAS=0 turns it off; a path
-uses another libblas.so.3.
+uses another libblas.so.3. Its worker threads are told to sleep as soon as a call ends
+(OPENBLAS_THREAD_TIMEOUT, unless set): by default they spin ~0.1 s after every call, which on a small
+machine takes the cores MLX's other CPU streams need (parallel attention, kvexec/streams.py).
 """
 
 import ctypes
@@ -20,6 +22,7 @@ CANDIDATES = (
     "/usr/lib64/libopenblasp.so.0",
 )
 _OFF = ("0", "off", "false", "no")
+THREAD_TIMEOUT = "4"  # OpenBLAS workers spin 2^4 cycles after a call, then sleep (the default is 2^28)
 _LOADED = False
 
 
@@ -68,6 +71,7 @@ def load_openblas() -> bool:
     lib = openblas_path()
     if lib is None or not reference_blas_bundled():
         return False
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)  # read once, when the library loads
     try:
         ctypes.CDLL(lib, mode=os.RTLD_GLOBAL)
     except OSError:

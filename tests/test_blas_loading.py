@@ -76,3 +76,24 @@ def test_import_justfit_loads_openblas_or_warns():
     assert "slow reference BLAS" in out.stderr and "import justfit` before `mlx`" in out.stderr
     off = subprocess.run([sys.executable, "-c", late], env=_env(JUSTFIT_OPENBLAS="0"), capture_output=True, text=True, check=True)
     assert "slow reference BLAS" not in off.stderr  # turned off on purpose: no warning
+
+
+SPIN = """
+import resource, time
+import justfit, mlx.core as mx
+a = mx.random.normal((1024, 1024)); mx.eval(a)
+for _ in range(3):
+    mx.eval(a @ a)  # a GEMM big enough for OpenBLAS's worker threads
+r0 = resource.getrusage(resource.RUSAGE_SELF); time.sleep(0.5); r1 = resource.getrusage(resource.RUSAGE_SELF)
+print(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+"""
+
+
+@needs_openblas
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS starts no worker threads on one core")
+def test_openblas_workers_sleep_after_a_call():
+    """OpenBLAS workers would spin ~0.1 s after each call, taking the cores parallel attention streams need;
+    justfit tells them to sleep at once (a user's own OPENBLAS_THREAD_TIMEOUT wins, here the spinning default)."""
+    idle = float(subprocess.run([sys.executable, "-c", SPIN], env=_env(), capture_output=True, text=True, check=True).stdout)
+    spin = subprocess.run([sys.executable, "-c", SPIN], env=_env(OPENBLAS_THREAD_TIMEOUT="28"), capture_output=True, text=True, check=True)
+    assert idle < 0.03 and float(spin.stdout) > 0.05, (idle, spin.stdout)

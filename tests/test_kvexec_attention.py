@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from justfit.config import KVConfig
-from justfit.kvexec import PagePool, Sequence, attention, softmax
+from justfit.kvexec import PagePool, Sequence, attention, softmax, streams
 from justfit.kvexec.cache import PagedKVCache, PagedMask
 
 FORMATS = [dict(bits=16), dict(bits=8), dict(bits=4), dict(bits=4, group_size=32), dict(bits=4, format="rotated"),
@@ -122,6 +122,44 @@ def test_whole_and_online_softmax_agree(fmt, monkeypatch):
             online = attention.paged_attention(q, cache, 0.125, mask, sinks)
             assert len(calls) == n + (not fused)
             np.testing.assert_allclose(np.array(whole), np.array(online), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="keys are split across streams on the CPU backend only")
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_keys_split_across_streams_match_reference(fmt, monkeypatch):
+    """A block's pages split across parallel CPU streams (streams.py), each part's softmax state merged
+    (softmax.Online.merge): the reference output for decode and prefill blocks, with sinks and a window."""
+    kv = KVConfig(page_size=32, quantized_kv_start=32, **fmt)
+    cache, rng = _cache(kv), np.random.default_rng(11)
+    cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 200, 64)).astype(np.float32)) for _ in "kv"))
+    monkeypatch.setattr(streams, "SPLIT_ELEMENTS", 1)  # every block is worth splitting
+    monkeypatch.setattr(streams, "MAX_PARTS", 3)
+    used, real = [], streams.on
+    monkeypatch.setattr(streams, "on", lambda i: used.append(i) or real(i))
+    for L in (1, 7):
+        q = mx.array(rng.standard_normal((1, 4, L, 64)).astype(np.float32))
+        for sinks, window in ((None, None), (mx.array([0.5, -1.0, 2.0, 0.0]), None), (None, 48)):
+            used.clear()
+            _check(cache, q, window=window, sinks=sinks)
+            fused = fmt == dict(bits=16) and window is None  # all full precision: MLX's fused attention
+            assert sorted(set(used)) == ([] if fused else [0, 1, 2])
+
+
+def test_fast_exp_matches_exp():
+    """The compiled polynomial exp of big score blocks: within 1e-5 of MLX's exp, exactly 0 for masked keys,
+    NaN kept (a poisoned read must still show)."""
+    rng = np.random.default_rng(3)
+    s = rng.standard_normal((3, 40, 300)).astype(np.float32) * 30
+    s[:, :, ::7] = -np.inf
+    s[0, 0, 5] = np.nan
+    s = mx.array(s)
+    assert s.size >= softmax.FAST_EXP_ELEMENTS
+    m = mx.array(np.nanmax(np.array(s), axis=-1, keepdims=True))
+    fast, ref = np.array(softmax.exp_shifted(s, m)), np.array(mx.exp(s - m))
+    assert (np.isnan(fast) == np.isnan(ref)).all() and np.isnan(fast[0, 0, 5])
+    ok = ~np.isnan(ref)
+    assert (fast[ok][ref[ok] == 0] == 0).all()  # masked and underflowed keys weigh nothing
+    np.testing.assert_allclose(fast[ok], ref[ok], rtol=1e-5, atol=1e-37)
 
 
 def test_full_precision_pages_use_fused_attention(monkeypatch):

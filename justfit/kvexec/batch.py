@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence as Seq
 
 import mlx.core as mx
 
-from . import softmax
+from . import softmax, streams
 from .attention import RUN_ELEMENTS, fits_one_softmax, paged_attention
 from .cache import PagedKVCache
 from .pages import FULL, OPEN, QUANT
@@ -116,14 +116,18 @@ def _split_pages(cache: PagedKVCache):
 def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dict] = None):
     """One query per sequence, q [B, Hq, D] -> [B, Hq, Dv]: pages of each kind stacked per key run (short
     sequences padded and masked), scored on their stored format, merged with a softmax over all runs when
-    their scores fit one small block, else an online softmax run by run. Sealed pages never change, so with
-    a `memo` their stacks are reused while the batch's sealed pages stay the same (only the open pages are
-    stacked every step)."""
+    their scores fit one small block, else an online softmax run by run; a long batch's runs are split
+    across parallel CPU streams (streams.py). Sealed pages never change, so with a `memo` their stacks are
+    reused while the batch's sealed pages stay the same (only the open pages are stacked every step)."""
     B, Hq, D = q.shape
     c0 = caches[0]
-    H = c0.n_kv_heads
+    H, P = c0.n_kv_heads, c0.seq.page_size
     qf = (q.astype(mx.float32) * scale).reshape(B * H, Hq // H, D)
-    runs = list(_key_runs(caches, memo, max(1, RUN_ELEMENTS // (B * Hq * c0.seq.page_size))))
+    n_parts = streams.parts(B * Hq * max(c.offset for c in caches))
+    run_pages = max(1, RUN_ELEMENTS // (B * Hq * P))
+    if n_parts > 1:  # runs short enough that every part gets some
+        run_pages = min(run_pages, -(-max(c.seq.pages_for(c.offset) for c in caches) // n_parts))
+    runs = list(_key_runs(caches, memo, run_pages))
     prepared, shape = {}, (B * H, Hq // H, c0.value_dim)
 
     def scores(ck, kparts, valid):
@@ -132,14 +136,20 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
         s = ck.scores(prepared[id(ck)], kparts).astype(mx.float32)  # [B*H, rep, T]: whole pages, whole groups
         return mx.where(valid, s, -float("inf"))
 
-    if fits_one_softmax(B * Hq * sum(r[-1].shape[-1] for r in runs)):
-        out = softmax.whole([scores(ck, k, ok) for ck, _, k, _, ok in runs], [(cv, v) for _, cv, _, v, _ in runs], shape)
-    else:
+    def state(part):
+        if fits_one_softmax(B * Hq * sum(r[-1].shape[-1] for r in part)):
+            return softmax.whole([scores(ck, k, ok) for ck, _, k, _, ok in part], [(cv, v) for _, cv, _, v, _ in part])
         fold = softmax.Online(mx.full((B * H, Hq // H, 1), -float("inf")), mx.zeros((B * H, Hq // H, 1)))
-        for ck, cv, kparts, vparts, valid in runs:
+        for ck, cv, kparts, vparts, valid in part:
             fold.fold(scores(ck, kparts, valid), cv, vparts)
-        out = fold.result(shape)
-    return out.reshape(B, Hq, -1)
+        return fold
+
+    out = None
+    for i, part in enumerate(streams.balanced(runs, [r[-1].shape[-1] for r in runs], n_parts)):
+        with streams.on(i):
+            s = state(part)
+        out = s if out is None else out.merge(s)
+    return out.result(shape).reshape(B, Hq, -1)
 
 
 def _key_runs(caches, memo: Optional[dict], run_pages: int):
