@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 
 from justfit.config import KVConfig
-from justfit.kvexec import attention, make_cache
+from justfit.kvexec import attention, make_cache, streams
 from justfit.kvexec.attention import paged_attention
 from justfit.kvexec.batch import BatchPlan, _decode_batch, forward
 from justfit.kvexec.pages import Page, PagePool
@@ -120,20 +120,30 @@ def _filled_cache(kv, n_tokens, H=3, D=64, seed=0, pool=None):
     return c
 
 
-@pytest.mark.parametrize("online", [False, True], ids=["whole", "online"])
+@pytest.mark.parametrize("merge", ["whole", "online", "streams"])
 @pytest.mark.parametrize("kv", CONFIGS, ids=lambda k: k.name)
-def test_decode_batch_matches_single_sequence_attention(kv, online, monkeypatch):
-    """Both merges of batched decode: one softmax over all runs, and run by run (big batches, long contexts)."""
-    if online:
-        monkeypatch.setattr(attention, "CHAIN_ELEMENTS", 0)  # every block too big: run by run
+def test_decode_batch_matches_single_sequence_attention(kv, merge, monkeypatch):
+    """Every merge of batched decode: one softmax over all runs, run by run (big batches, long contexts), and
+    runs split across parallel CPU streams (streams.py) with their softmax states merged."""
     pool = PagePool(1, kv.page_size)
     lengths = [1, 31, 32, 33, 150, 453]
     caches = [_filled_cache(kv, n, seed=i, pool=pool) for i, n in enumerate(lengths)]
     caches[4].trim(3)  # a sealed page cut by a trim: partial and still quantized until the next write
     q = mx.random.normal((len(lengths), 9, 64))
+    refs = [paged_attention(q[i][None, :, None], c, 0.125)[0, :, 0] for i, c in enumerate(caches)]
+    used = []
+    if merge == "online":
+        monkeypatch.setattr(attention, "CHAIN_ELEMENTS", 0)  # every block too big: run by run
+    if merge == "streams":
+        if mx.default_device() != mx.cpu:
+            pytest.skip("runs are split across streams on the CPU backend only")
+        monkeypatch.setattr(streams, "SPLIT_ELEMENTS", 1)
+        monkeypatch.setattr(streams, "MAX_PARTS", 3)
+        real = streams.on
+        monkeypatch.setattr(streams, "on", lambda i: used.append(i) or real(i))
     got = _decode_batch(q, caches, 0.125)
-    for i, c in enumerate(caches):
-        ref = paged_attention(q[i][None, :, None], c, 0.125)[0, :, 0]
+    assert sorted(set(used)) == ([0, 1, 2] if merge == "streams" else [])
+    for i, ref in enumerate(refs):
         assert mx.allclose(got[i], ref, atol=2e-5, rtol=1e-4), (kv.name, lengths[i])
 
 
