@@ -88,5 +88,5 @@ def use_fast_blas() -> None:
     if sys.platform.startswith("linux") and openblas_path() and active_blas().startswith("reference"):
         warnings.warn(
             "MLX was imported before justfit and uses its slow reference BLAS (6-10x slower on CPU): "
-            "`import justfit` before `mlx`, or run with LD_PRELOAD=" + openblas_path(),
+            "`import justfit` before `mlx`, or run with OPENBLAS_THREAD_TIMEOUT=4 LD_PRELOAD=" + openblas_path(),
             RuntimeWarning, stacklevel=3)
