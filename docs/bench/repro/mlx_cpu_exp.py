@@ -4,8 +4,9 @@ above glibc's 32 MB mmap ceiling pays page faults on every call (compare with MA
 
 Run: python docs/bench/repro/mlx_cpu_exp.py
      MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=17179869184 python docs/bench/repro/mlx_cpu_exp.py
-Session 8 (MLX 0.32.4, 2-core x86-64), medians of 7: [3, 1536, 256] exp 17.3 ms, compiled polynomial 4.6 ms;
-[3, 1536, 4096] exp 321 ms, polynomial 300 ms, x * 1.5 52 ms (with the malloc variables: 274 / 75 / 7 ms).
+Session 8 (MLX 0.32.4, 2-core x86-64), medians of 7, this script: [3, 1536, 256] exp 16.8 ms, compiled polynomial
+5.5 ms; [3, 1536, 4096] exp 313 ms, polynomial 320 ms, x * 1.5 54 ms (the same shapes with the malloc variables,
+an earlier variant of it: 274 / 75 / 7 ms).
 """
 
 import time
