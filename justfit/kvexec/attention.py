@@ -126,12 +126,8 @@ def _attend_block(cache, pages, qb, first, last, window, dense_mask, sinks, run_
     sizes = [n for _, n, _ in visible]
     attend = _attend_whole if fits_one_softmax(H * M * (sum(sizes) + 1)) else _attend_online
     parts = streams.balanced(visible, sizes, streams.parts(H * M * sum(sizes)))
-    state = None
-    for i, part in enumerate(parts):
-        with streams.on(i):
-            runs = _runs(part, max(1, run_tokens // len(parts)))
-            s = attend(cache, qb, runs, first, last, window, dense_mask, sinks if i == 0 else None)
-        state = s if state is None else state.merge(s)
+    state = streams.merged(parts, lambda i, part: attend(cache, qb, _runs(part, max(1, run_tokens // len(parts))),
+                                                         first, last, window, dense_mask, sinks if i == 0 else None))
     return state.result((H, M, cache.value_dim))
 
 

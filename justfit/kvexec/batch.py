@@ -144,12 +144,8 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
             fold.fold(scores(ck, kparts, valid), cv, vparts)
         return fold
 
-    out = None
-    for i, part in enumerate(streams.balanced(runs, [r[-1].shape[-1] for r in runs], n_parts)):
-        with streams.on(i):
-            s = state(part)
-        out = s if out is None else out.merge(s)
-    return out.result(shape).reshape(B, Hq, -1)
+    parts = streams.balanced(runs, [r[-1].shape[-1] for r in runs], n_parts)
+    return streams.merged(parts, lambda _, part: state(part)).result(shape).reshape(B, Hq, -1)
 
 
 def _key_runs(caches, memo: Optional[dict], run_pages: int):

@@ -26,6 +26,17 @@ def parts(elements: int) -> int:
     return max(1, min(MAX_PARTS, elements // SPLIT_ELEMENTS))
 
 
+def merged(groups: List[list], attend):
+    """attend(i, group) -> softmax state for each group, each on its own stream, merged into one state
+    (softmax.Online.merge); the caller finishes it."""
+    state = None
+    for i, group in enumerate(groups):
+        with on(i):
+            s = attend(i, group)
+        state = s if state is None else state.merge(s)
+    return state
+
+
 def on(i: int):
     """Context in which part i's ops run: the default stream for part 0, a stream of its own for the rest."""
     if i == 0:
