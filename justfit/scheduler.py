@@ -498,18 +498,31 @@ class Engine:
             self.index.evict_memory(self.budget_bytes // 2)
 
     def used_bytes(self) -> int:
-        """Bytes of every page in the pool (running sequences' and cached prefixes') plus the stacked copies
-        of sealed pages batched decode keeps between steps."""
+        """Bytes of every page in the pool (running sequences' and cached prefixes'), the running sequences'
+        float-window copies, plus the stacked copies of sealed pages batched decode keeps between steps."""
         from .kvexec.batch import memo_nbytes
 
-        return (self.pool.nbytes if self.pool is not None else 0) + memo_nbytes(self._stacks)
+        windows = sum(c.window_nbytes for c in self._paged())
+        return (self.pool.nbytes if self.pool is not None else 0) + memo_nbytes(self._stacks) + windows
+
+    def _paged(self):
+        """The running sequences' paged caches (their float windows are counted and dropped here)."""
+        from .kvexec import PagedKVCache
+
+        return [c for r in self.running for c in r.caches or () if isinstance(c, PagedKVCache)]
 
     def _fits(self, need: int) -> bool:
+        """True when `need` more bytes fit the budget, after dropping what is only a speed or quality cache
+        (stacked page copies, float windows) and cold cached prefixes, in that order."""
         if self.budget_bytes is None:
             return True
         if self.used_bytes() + need <= self.budget_bytes:
             return True
         self._stacks.clear()  # stacked copies go first: one step rebuilds them
+        if self.used_bytes() + need <= self.budget_bytes:
+            return True
+        for c in self._paged():  # then the float-window copies of recent pages (attention reads the pages)
+            c.drop_window()
         if self.used_bytes() + need <= self.budget_bytes:
             return True
         if self.index is not None:  # cold cached prefixes go first

@@ -56,12 +56,14 @@ def _check(cache, q, scale=0.125, window=None, sinks=None, atol=2e-4):
     chunks=st.lists(st.integers(1, 90), min_size=1, max_size=5),
     rewind=st.integers(0, 70),
     tail=st.integers(1, 8),
+    float_pages=st.sampled_from([0, 1]),
     start=st.sampled_from([0, 0, 40]),
     seed=st.integers(0, 1000),
 )
-def test_paged_attention_matches_reference(fmt, page, hkv, rep, d, chunks, rewind, tail, start, seed):
-    """Random page layouts: chunked appends, partial pages, a rewind, then a 1-8 token verify/decode."""
-    kv = KVConfig(page_size=page, quantized_kv_start=start, **fmt)
+def test_paged_attention_matches_reference(fmt, page, hkv, rep, d, chunks, rewind, tail, start, seed, float_pages):
+    """Random page layouts: chunked appends, partial pages, a rewind, then a 1-8 token verify/decode; with and
+    without the float window (dense_kv reads what attention reads)."""
+    kv = KVConfig(float_pages=float_pages, page_size=page, quantized_kv_start=start, **fmt)
     cache = _cache(kv)
     rng = np.random.default_rng(seed)
 
@@ -83,7 +85,7 @@ def test_paged_attention_matches_reference(fmt, page, hkv, rep, d, chunks, rewin
 def test_partial_sealed_page_after_a_trim_is_read_as_its_tokens(fmt):
     """A trim leaves the last sealed page partial and still quantized until the next write; a query read
     in between (verification, restore) sees exactly its remaining tokens, for every codec."""
-    kv = KVConfig(page_size=64, quantized_kv_start=0, **fmt)
+    kv = KVConfig(float_pages=0, page_size=64, quantized_kv_start=0, **fmt)
     cache, rng = _cache(kv), np.random.default_rng(3)
     cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 128, 64)).astype(np.float32)) for _ in "kv"))
     cache.trim(23)
@@ -92,7 +94,7 @@ def test_partial_sealed_page_after_a_trim_is_read_as_its_tokens(fmt):
 
 
 def test_sliding_window_and_sinks():
-    kv = KVConfig(quantized_kv_start=0, bits=4, page_size=32)
+    kv = KVConfig(float_pages=0, quantized_kv_start=0, bits=4, page_size=32)
     cache = _cache(kv)
     k = mx.random.normal((1, 2, 150, 64))
     cache.update_and_fetch(k, k * 0.3)
@@ -105,7 +107,7 @@ def test_sliding_window_and_sinks():
 def test_whole_and_online_softmax_agree(fmt, monkeypatch):
     """Decode and short blocks normalize all runs at once (softmax.whole); the online fold that big blocks use
     gives the same output on the same cache (float, quantized and open pages), with sinks or a window too."""
-    kv = KVConfig(page_size=32, quantized_kv_start=32, **fmt)
+    kv = KVConfig(float_pages=0, page_size=32, quantized_kv_start=32, **fmt)
     cache, rng = _cache(kv), np.random.default_rng(5)
     cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 150, 64)).astype(np.float32)) for _ in "kv"))
     real, calls = softmax.whole, []
@@ -129,7 +131,7 @@ def test_whole_and_online_softmax_agree(fmt, monkeypatch):
 def test_keys_split_across_streams_match_reference(fmt, monkeypatch):
     """A block's pages split across parallel CPU streams (streams.py), each part's softmax state merged
     (softmax.Online.merge): the reference output for decode and prefill blocks, with sinks and a window."""
-    kv = KVConfig(page_size=32, quantized_kv_start=32, **fmt)
+    kv = KVConfig(float_pages=0, page_size=32, quantized_kv_start=32, **fmt)
     cache, rng = _cache(kv), np.random.default_rng(11)
     cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 200, 64)).astype(np.float32)) for _ in "kv"))
     monkeypatch.setattr(streams, "SPLIT_ELEMENTS", 1)  # every block is worth splitting
@@ -165,7 +167,7 @@ def test_fast_exp_matches_exp():
 def test_full_precision_pages_use_fused_attention(monkeypatch):
     """While no page is quantized (a short chat, the first pages), MLX's fused attention runs on the pages' float
     K/V: same output as the paged path, with sinks, a window covering every key, and causal prefill blocks."""
-    kv = KVConfig(page_size=32, quantized_kv_start=64)
+    kv = KVConfig(float_pages=0, page_size=32, quantized_kv_start=64)
     cache, rng = _cache(kv), np.random.default_rng(9)
     cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 70, 64)).astype(np.float32)) for _ in "kv"))
     assert {p.kind for _, _, p in cache.pages()} == {"fp", "open"}
@@ -197,7 +199,7 @@ def test_window_skips_pages_outside_it():
 
 def test_workspace_is_bounded(monkeypatch):
     """Every score block a prefill chunk builds is at most RUN_ELEMENTS, whatever the context length."""
-    cache = _cache(KVConfig(quantized_kv_start=0, bits=4, page_size=32), poison=False)
+    cache = _cache(KVConfig(float_pages=0, quantized_kv_start=0, bits=4, page_size=32), poison=False)
     k = mx.random.normal((1, 2, 600, 64))
     cache.update_and_fetch(k, k)
     monkeypatch.setattr(attention, "RUN_ELEMENTS", 4 * 64 * 32)  # tiny bound: forces query blocks and runs
@@ -218,7 +220,7 @@ def test_workspace_is_bounded(monkeypatch):
 
 def _lazy_peak(ctx, monkeypatch):
     """Peak bytes over start of one lazily built prefill-sized attention call at context ctx, evaluated once."""
-    cache = _cache(KVConfig(quantized_kv_start=0, bits=4, page_size=64), poison=False)
+    cache = _cache(KVConfig(float_pages=0, quantized_kv_start=0, bits=4, page_size=64), poison=False)
     k = mx.random.normal((1, 1, ctx, 64))
     cache.update_and_fetch(k, k)
     mx.eval(cache.state)

@@ -72,6 +72,7 @@ def test_document_rows_see_sealed_pages():
     fp, q = kv_quality.document_rows(model, ids, systems)
     assert fp["kl"] < 1e-6 and fp["top1"] == 1.0 and fp["quantized_token_fraction"] == 0.0
     assert q["quantized_token_fraction"] > 0.3 and q["kl"] > fp["kl"]  # 4-bit pages were sealed and read
+    assert fp["quantized_read_fraction"] == 0.0 and 0 < q["quantized_read_fraction"] < 0.5
 
 
 def test_quality_metrics_detect_divergence():

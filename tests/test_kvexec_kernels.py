@@ -12,9 +12,9 @@ from .kernels_support import kernel_logits, tiny_llama
 
 NO_EMULATOR = "g++ not found: the Metal emulator compiles kernels with g++"
 CONFIGS = [
-    KVConfig(bits=4, format="affine", key_format="affine", group_size=32, page_size=32, quantized_kv_start=32),
-    KVConfig(bits=4, format="affine", key_format="affine", group_size=64, page_size=32, quantized_kv_start=32),
-    KVConfig(bits=4, format="rotated", page_size=32, quantized_kv_start=32),
+    KVConfig(float_pages=0, bits=4, format="affine", key_format="affine", group_size=32, page_size=32, quantized_kv_start=32),
+    KVConfig(float_pages=0, bits=4, format="affine", key_format="affine", group_size=64, page_size=32, quantized_kv_start=32),
+    KVConfig(float_pages=0, bits=4, format="rotated", page_size=32, quantized_kv_start=32),
 ]
 PROMPT = [(7 * i + 3) % 256 for i in range(90)]
 # Decode steps and verify blocks after the prompt (offset 90): decodes up to 95, a verify block of 3

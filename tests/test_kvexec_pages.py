@@ -10,7 +10,7 @@ from justfit.kvexec.cache import PagedKVCache
 from justfit.kvexec.pages import QUANT, Page
 
 
-def _layers(n_layers=3, kv=KVConfig(quantized_kv_start=0, bits=4, page_size=32), max_pages=None):
+def _layers(n_layers=3, kv=KVConfig(float_pages=0, quantized_kv_start=0, bits=4, page_size=32), max_pages=None):
     seq = Sequence(PagePool(n_layers, kv.page_size, max_pages))
     return seq, [PagedKVCache(seq, i, kv) for i in range(n_layers)]
 
@@ -33,7 +33,7 @@ def test_reserve_is_atomic_and_rolls_back():
 
 
 def test_pages_seal_quantized_and_window_stays_full_precision():
-    seq, caches = _layers(kv=KVConfig(bits=4, page_size=32, quantized_kv_start=40))
+    seq, caches = _layers(kv=KVConfig(float_pages=0, bits=4, page_size=32, quantized_kv_start=40))
     _append(caches, 100)
     kinds = [p.kind for _, _, p in caches[1].pages()]
     assert kinds == ["fp", "fp", QUANT, "open"]  # pages starting before 40 stay full precision
@@ -125,7 +125,7 @@ def test_copy_on_write_of_a_lazily_restored_page_loads_it_once():
 
 def test_nbytes_counts_pages_and_quantization_shrinks_them():
     _, fp = _layers(kv=KVConfig(bits=16, page_size=32))
-    _, q4 = _layers(kv=KVConfig(quantized_kv_start=0, bits=4, page_size=32))
+    _, q4 = _layers(kv=KVConfig(float_pages=0, quantized_kv_start=0, bits=4, page_size=32))
     _append(fp, 256)
     _append(q4, 256)
     assert fp[0].nbytes == 2 * 256 * 2 * 64 * 4

@@ -84,12 +84,12 @@ def test_channel_keys_need_4_bit_affine_values_and_a_group(bad):
 
 
 # ---- KVExec: kernel path against its own MLX-ops path ---------------------------------------------
-CHANNEL = KVConfig(bits=4, format="affine", key_format="channel", group_size=32, page_size=PAGE,
+CHANNEL = KVConfig(float_pages=0, bits=4, format="affine", key_format="channel", group_size=32, page_size=PAGE,
                    quantized_kv_start=PAGE)  # channel keys in groups of 32 tokens, values g32
-CHANNEL_G64 = KVConfig(bits=4, format="affine", key_format="channel", group_size=64, page_size=128,
+CHANNEL_G64 = KVConfig(float_pages=0, bits=4, format="affine", key_format="channel", group_size=64, page_size=128,
                        quantized_kv_start=128)
 # Values in groups of 128, keys in groups of 64 (the largest group dividing the page): two group sizes.
-CHANNEL_G128 = KVConfig(bits=4, format="affine", key_format="channel", group_size=128, page_size=PAGE,
+CHANNEL_G128 = KVConfig(float_pages=0, bits=4, format="affine", key_format="channel", group_size=128, page_size=PAGE,
                         quantized_kv_start=PAGE)
 
 
@@ -145,7 +145,7 @@ def test_kvexec_channel_partial_last_page(cut, monkeypatch):
 @needs_emulator
 def test_default_kvconfig_with_channel_keys_uses_the_kernels(monkeypatch):
     # The lead's planned default: page 256, group 64, channel keys (g64), affine 4-bit values.
-    kv = KVConfig(key_format="channel")
+    kv = KVConfig(float_pages=0, key_format="channel")
     cache = _filled(kv, 2 * 256 + 40, head_dim=128)
     for L in (1, 4):
         got, want = _both(cache, L, monkeypatch, head_dim=128)
@@ -178,9 +178,9 @@ def test_kvexec_channel_logits_match_reference(monkeypatch):
 
 @needs_emulator
 @pytest.mark.parametrize("kv", [
-    KVConfig(bits=4, format="affine", key_format="channel", key_bits=8, group_size=32, page_size=PAGE,
+    KVConfig(float_pages=0, bits=4, format="affine", key_format="channel", key_bits=8, group_size=32, page_size=PAGE,
              quantized_kv_start=PAGE),
-    KVConfig(bits=4, format="rotated", key_format="channel", group_size=32, page_size=PAGE,
+    KVConfig(float_pages=0, bits=4, format="rotated", key_format="channel", group_size=32, page_size=PAGE,
              quantized_kv_start=PAGE),
 ], ids=["8-bit-channel-keys", "rotated-values"])
 def test_other_channel_mixes_fall_back(kv, monkeypatch):

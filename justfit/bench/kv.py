@@ -23,7 +23,7 @@ import typer
 
 SYSTEM_NAMES = ["mlx-lm-fp16", "mlx-lm-q4", "mlx-lm-q8", "justfit-fp16", "justfit-default", "justfit-q4-affine",
                 "justfit-q4-rotated", "justfit-q4-g32", "justfit-q4-rotkeys", "justfit-q4-rotkeys-g32", "justfit-k8v4",
-                "justfit-q4-chkeys", "justfit-q4-chkeys-g32"]
+                "justfit-q4-chkeys", "justfit-q4-chkeys-g32", "justfit-nowindow"]
 DEFAULT_SYSTEMS = ["mlx-lm-fp16", "mlx-lm-q4", "justfit-fp16", "justfit-default"]
 CHUNK = 2048  # prefill chunk for every system (mlx-lm's default prefill_step_size)
 BUDGETS = (256 << 20, 1 << 30)
@@ -47,7 +47,8 @@ def kv_config(name: str, page_size: Optional[int] = None, sinks: Optional[int] =
             "justfit-q4-rotkeys-g32": KVConfig(bits=4, format="affine", key_format="rotated", group_size=32),
             "justfit-k8v4": KVConfig(bits=4, format="affine", key_format="affine", key_bits=8),
             "justfit-q4-chkeys": KVConfig(bits=4, format="affine", key_format="channel"),
-            "justfit-q4-chkeys-g32": KVConfig(bits=4, format="affine", key_format="channel", group_size=32)}[name]
+            "justfit-q4-chkeys-g32": KVConfig(bits=4, format="affine", key_format="channel", group_size=32),
+            "justfit-nowindow": KVConfig(float_pages=0)}[name]  # the default without its float window
     if page_size is not None:
         base = replace(base, page_size=page_size)
     if sinks is not None:

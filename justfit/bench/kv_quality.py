@@ -4,6 +4,8 @@ Workloads (`workload` field): `chat` (short held-out prompts, default page layou
 `stress` (the same chats with small pages and no full-precision start: the quantized format itself) and
 `document` (kv_document.py, ~2.4k tokens written for this bench, teacher-forced in 64-token chunks with the
 default layout; metrics over positions >= DOC_SCORED_FROM, all of which attend to sealed quantized pages).
+`quantized_token_fraction`: share of cached tokens stored quantized; `quantized_read_fraction`: share of the
+keys the scored queries read from quantized pages (the float window reads the recent ones in float).
 
 For each held-out chat prompt, a greedy trajectory is generated with mlx-lm's float KVCache (whose
 per-step logits are the reference); every other system then replays prompt + trajectory token by token
@@ -105,7 +107,7 @@ def quality_rows(model, refs, systems):
     for name, layout, make in systems:
         page_size, sinks = layout or (None, None)
         per = []
-        quantized = []
+        quantized, reads = [], []
         for ids, traj, ref_logits in refs:
             if make is None:  # the reference system itself: its replay is the generation pass
                 per.append(metrics(ref_logits, ref_logits, traj))
@@ -113,6 +115,7 @@ def quality_rows(model, refs, systems):
             caches = make()
             per.append(metrics(ref_logits, _step_logits(model, caches, ids, traj), traj))
             quantized.append(_quantized_fraction(caches))
+            reads.append(_quantized_reads(caches, range(len(ids) - 1, len(ids) + len(traj) - 1)))
         nll, nll0 = np.concatenate([p["nll"] for p in per]), np.concatenate([p["nll_fp16"] for p in per])
         row = {"system": name, "top1": float(np.mean([p["top1"] for p in per])),
                "kl": float(np.mean([p["kl"] for p in per])), "ppl": float(np.exp(nll.mean())),
@@ -121,10 +124,29 @@ def quality_rows(model, refs, systems):
         if page_size is not None:
             row["page_size"], row["quantized_kv_start"] = page_size, sinks
             row["quantized_token_fraction"] = float(np.mean(quantized))
+            row["quantized_read_fraction"] = float(np.mean(reads))
         rows.append(row)
         _log(f"quality: {name} page {page_size}: top1 {row['top1']:.3f} kl {row['kl']:.4f} "
              f"ppl {row['ppl']:.3f} (fp16 {row['ppl_fp16']:.3f}) agreement {row['agreement']:.3f}")
     return rows
+
+
+def _quantized_reads(caches, positions):
+    """Share of the keys the queries at `positions` read from quantized pages (1.0 for mlx-lm's
+    QuantizedKVCache): older than the float window and past quantized_kv_start. Counted for one query at
+    a time; a chunk's queries may read more pages in float, so with chunks this is an upper bound."""
+    from justfit.kvexec import PagedKVCache
+
+    paged = [c for c in caches if isinstance(c, PagedKVCache)]
+    if not paged:
+        return 1.0 if hasattr(caches[0], "bits") else 0.0
+    kv = paged[0].kv
+    if kv.bits == 16:
+        return 0.0
+    P = kv.page_size
+    start = -(-kv.quantized_kv_start // P) * P
+    quant = sum(max(0, min(t + 1, (t // P - kv.float_pages) * P) - start) for t in positions)
+    return quant / sum(t + 1 for t in positions)
 
 
 def _quantized_fraction(caches):
@@ -139,7 +161,8 @@ def _quantized_fraction(caches):
 
 
 DOC_CHUNK = 64  # teacher-forcing chunk for the document (like agent turns: prefill of a few dozen tokens)
-DOC_SCORED_FROM = 512  # first scored position: past the full-precision first page and one sealed 4-bit page
+DOC_SCORED_FROM = 768  # first scored position: past the full-precision first page, the float window's page and
+# one sealed 4-bit page (default layout), so every scored position reads 4-bit pages
 
 
 DOC_MAX_TOKENS = 2048  # a longer --document-file is cut here (the built-in document has 2,010 tokens)
@@ -186,13 +209,15 @@ def document_rows(model, ids, systems):
         nll0 = -np.array(lp0[rows_, mx.array(target)])
         row = {"system": name, "workload": "document", "tokens": len(ids), "scored_from": DOC_SCORED_FROM,
                "top1": m["top1"], "kl": m["kl"], "ppl": float(np.exp(nll.mean())), "ppl_fp16": float(np.exp(nll0.mean())),
-               "quantized_token_fraction": _quantized_fraction(caches)}
+               "quantized_token_fraction": _quantized_fraction(caches),
+               "quantized_read_fraction": _quantized_reads(caches, range(DOC_SCORED_FROM - 1, len(ids) - 1))}
         row["ppl_delta"] = row["ppl"] / row["ppl_fp16"] - 1
         if layout is not None:
             row["page_size"], row["quantized_kv_start"] = layout
         rows.append(row)
         _log(f"quality: document {name}: top1 {row['top1']:.3f} kl {row['kl']:.4f} ppl {row['ppl']:.3f} "
-             f"(fp16 {row['ppl_fp16']:.3f}) quantized {row['quantized_token_fraction']:.2f}")
+             f"(fp16 {row['ppl_fp16']:.3f}) quantized {row['quantized_token_fraction']:.2f} "
+             f"read {row['quantized_read_fraction']:.2f}")
     return rows
 
 

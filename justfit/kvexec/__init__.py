@@ -53,6 +53,7 @@ def fork_caches(caches) -> List:
             f = PagedKVCache(child, c.layer, c.kv, window=c.window, dense=c.dense)
             if c.codecs is not None:
                 f._setup(c.n_kv_heads, c.head_dim, c.value_dim, c.dtype)
+            f.adopt_window(c)
             out.append(f)
         else:
             raise ValueError("only fully paged cache lists can be forked")

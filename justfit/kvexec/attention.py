@@ -36,7 +36,7 @@ def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks
     H = cache.n_kv_heads
     rep, P = Hq // H, cache.seq.page_size
     window = mask.window if isinstance(mask, PagedMask) else cache.window
-    pages = cache.pages()  # walked once per call: the fused test, then whichever path reads them
+    pages = cache.attended_pages()  # walked once per call: the fused test, then whichever path reads them
     if _fused_applies(cache, pages, mask, window, Hq * L):
         return _attend_full(queries, cache, pages, scale, sinks)
     dense_mask = mask if isinstance(mask, mx.array) else None

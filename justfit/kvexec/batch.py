@@ -108,7 +108,7 @@ GROUPS = (FULL, QUANT, OPEN)  # sealed float, sealed quantized, the page being f
 def _split_pages(cache: PagedKVCache):
     """A decode query sees every key of its sequence, in any order: its pages of each kind in GROUPS."""
     out = {g: [] for g in GROUPS}
-    for _, n, page in cache.pages():
+    for _, n, page in cache.attended_pages():
         out[page.kind].append((n, page))
     return [out[g] for g in GROUPS]
 

@@ -1,7 +1,10 @@
 """PagedKVCache: one layer's view of a paged sequence, implementing mlx-lm's cache protocol.
 
 `update_and_fetch` writes new K/V into the sequence's pages (the page being filled stays full precision
-and is quantized when it seals) and returns lightweight `PagedKV` handles; the attention dispatcher
+and is quantized when it seals) and returns lightweight `PagedKV` handles. The float window: a quantized
+page keeps a float copy beside it while it is among the `kv.float_pages` pages before the first new
+token's own, so every query reads its own page and the previous one in full precision whatever the chunking
+(`attended_pages`); the copy is this sequence's, in memory only. the attention dispatcher
 installed by routing.py recognizes them and runs paged attention (attention.py). For a model whose
 attention cannot be routed, the cache runs in `dense` mode and returns dequantized K/V arrays instead.
 """
@@ -50,6 +53,7 @@ class PagedKVCache(_BaseCache):
         self.poison = False  # tests: fill fresh page buffers with NaN to prove they are never read
         self.codecs = self.full = None
         self.n_kv_heads = self.head_dim = self.value_dim = self.dtype = self.store = None
+        self.recent = {}  # page index -> float Page of a quantized page in the float window
 
     # ---- protocol -------------------------------------------------------------------------------
     @property
@@ -64,6 +68,7 @@ class PagedKVCache(_BaseCache):
             self._setup(H, D, values.shape[-1], keys.dtype)
         start = self.offset
         self.seq.reserve(start + L)  # atomic across layers: raises before anything changes
+        self._forget(start // self.seq.page_size - self.kv.float_pages)
         pos, P = start, self.seq.page_size
         while pos < start + L:
             index, off = divmod(pos, P)
@@ -101,7 +106,7 @@ class PagedKVCache(_BaseCache):
     def state(self):
         """All arrays of this layer's live pages (what mx.eval must materialize after a prefill chunk)."""
         arrays = []
-        for _, _, page in self.pages():
+        for page in [p for _, _, p in self.pages()] + list(self.recent.values()):
             k, v = page.parts()
             arrays.extend(k)
             arrays.extend(v)
@@ -117,7 +122,13 @@ class PagedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        return sum(page.nbytes for _, _, page in self.pages())
+        """Bytes of this layer's pages plus their float-window copies."""
+        return sum(page.nbytes for _, _, page in self.pages()) + self.window_nbytes
+
+    @property
+    def window_nbytes(self) -> int:
+        """Bytes of the float-window copies (held by this cache, outside the page pool)."""
+        return sum(page.nbytes for page in self.recent.values())
 
     # ---- pages ----------------------------------------------------------------------------------
     def pages(self):
@@ -128,6 +139,13 @@ class PagedKVCache(_BaseCache):
             out.append((index * P, min(P, self.offset - index * P), page))
         return out
 
+    def attended_pages(self):
+        """pages() as attention reads them: a quantized page in the float window as its float copy."""
+        if not self.recent:
+            return self.pages()
+        P = self.seq.page_size
+        return [(s, n, self.recent.get(s // P, page) if page.kind == QUANT else page) for s, n, page in self.pages()]
+
     def codec(self, page: Page):
         """(key codec, value codec) that read this page."""
         return self.codecs if page.kind == QUANT else self.full
@@ -135,7 +153,7 @@ class PagedKVCache(_BaseCache):
     def dense_kv(self):
         """All keys and values dequantized, [1, H, offset, D] (dense mode and tests only)."""
         ks, vs = [], []
-        for _, n, page in self.pages():
+        for _, n, page in self.attended_pages():
             (ck, cv), (k, v) = self.codec(page), page.parts()
             ks.append(ck.decode(k)[:, :n].astype(self.dtype))
             vs.append(cv.decode(v)[:, :n].astype(self.dtype))
@@ -149,16 +167,31 @@ class PagedKVCache(_BaseCache):
         self.codecs = make_codecs(self.kv, D, dtype)
         self.full = full_codecs(self.kv, D, Dv, dtype)
 
+    def adopt_window(self, parent: "PagedKVCache"):
+        """Share a parent's float copies (a fork holds the same pages, so the same tokens)."""
+        self.recent.update(parent.recent)
+
+    def drop_window(self):
+        """Free the float copies now (a memory budget needs the room); attention reads those pages
+        quantized, and pages sealed later get copies again."""
+        self.recent.clear()
+
+    def _forget(self, first: int):
+        """Drop the float copies of pages before index `first` (they left the float window)."""
+        for index in [i for i in self.recent if i < first]:
+            del self.recent[index]
+
     def _write(self, index: int, off: int, k, v):
         pid = self.seq.writable(index)  # copy-on-write when another sequence shares the page
         P = self.seq.page_size
+        copy = self.recent.pop(index, None)  # the page is rewritten: its float copy, if any, is stale after this
         if off == 0 and k.shape[1] == P:
             return self._seal(pid, index, k, v)
         page = self.seq.pool.get(self.layer, pid)
         if page is None or off == 0:
             kb, vb = self._fresh(k.shape[0], P, self.head_dim), self._fresh(k.shape[0], P, self.value_dim)
         else:
-            kb, vb = self._unsealed(page)
+            kb, vb = self._unsealed(page if copy is None else copy)
         at = mx.array([0, off, 0])
         kb = mx.slice_update(kb, k.astype(kb.dtype), at, axes=(0, 1, 2))
         vb = mx.slice_update(vb, v.astype(vb.dtype), at, axes=(0, 1, 2))
@@ -186,6 +219,9 @@ class PagedKVCache(_BaseCache):
             ck, cv = self.codecs
             k, v = k.astype(self.dtype), v.astype(self.dtype)  # an open page's 16-bit buffer: code from float32
             page = Page(QUANT, kernels.seal(ck, k) or ck.encode(k), kernels.seal(cv, v) or cv.encode(v))
+            if self.kv.float_pages:
+                fk, fv = self.full
+                self.recent[index] = Page(FULL, fk.encode(k), fv.encode(v))
         self.seq.pool.put(self.layer, pid, page)
 
 

@@ -135,7 +135,7 @@ def _split(cache, L):
     not the last one, or one of the L queries' own tokens stored in a quantized page (L > 1).
     """
     quant, floats, q_len = [], [], 0
-    pages = cache.pages()
+    pages = cache.attended_pages()
     for _, n, page in pages:
         if page.kind == QUANT:
             if quant and q_len != len(quant) * cache.seq.page_size:
