@@ -22,10 +22,11 @@ def tiny_model_folder(cache_dir: Path, layers: int = 2) -> Path:
     return import_gguf(gguf, home=cache_dir / "home", log=lambda m: None)
 
 
-def runtime(folder: Path, home: Path, bits: int = 4, page: int = PAGE, fmt: str = "affine"):
+def runtime(folder: Path, home: Path, bits: int = 4, page: int = PAGE, fmt: str = "affine", float_pages: int = 1):
     import justfit
 
-    return justfit.Runtime(model=str(folder), kv=justfit.KVConfig(quantized_kv_start=0, bits=bits, format=fmt, page_size=page), home=home)
+    kv = justfit.KVConfig(quantized_kv_start=0, bits=bits, format=fmt, page_size=page, float_pages=float_pages)
+    return justfit.Runtime(model=str(folder), kv=kv, home=home)
 
 
 def run_py(code: str, env_home: Path, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
