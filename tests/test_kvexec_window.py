@@ -97,3 +97,12 @@ def test_trim_into_a_sealed_page_reopens_it_from_its_float_copy():
     kb = page.parts()[0][0][:, : P - 4]
     want = k[0, :, P : 2 * P - 4].astype(kb.dtype)
     assert mx.array_equal(kb, want)  # the reopened tokens are the float ones, not their 4-bit codes
+
+
+def test_a_long_chunk_keeps_its_copies_only_while_its_queries_read_them():
+    k, v, q = _data(10 * P + 5)
+    cache = _cache()
+    cache.update_and_fetch(k, v)  # one chunk seals 10 pages: its queries need all their copies
+    assert sorted(cache.recent) == list(range(10))
+    attention.paged_attention(q, cache, 0.125, "causal")
+    assert sorted(cache.recent) == [9]  # after its attention, only the next token's previous page

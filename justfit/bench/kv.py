@@ -80,12 +80,16 @@ def _fill_synthetic(caches, model, context: int, seed: int = 0):
     """Write `context` tokens of random K/V (same values for every system) into each layer's cache."""
     import mlx.core as mx
 
+    from justfit.kvexec import PagedKVCache
+
     H, D = _attention_shape(model)
     for i, c in enumerate(caches):
         key = mx.random.key(seed + i)
         k = mx.random.normal((1, H, context, D), key=key)
         v = mx.random.normal((1, H, context, D), key=mx.random.split(key)[0])
         c.update_and_fetch(k, v)
+        if isinstance(c, PagedKVCache):
+            c.settle_window()  # as attention does after a chunk: float copies of the last page only
         mx.eval(_state(c))
 
 

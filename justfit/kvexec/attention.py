@@ -30,8 +30,14 @@ CHAIN_ELEMENTS = 1 << 20  # score blocks this big are chained (a run's reads wai
 def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks: Optional[mx.array] = None):
     """softmax(q k^T * scale + mask) v over the cache's pages; queries [1, Hq, L, D] -> [1, Hq, L, Dv]."""
     o = kernels.attention(queries, cache, scale, mask, sinks)  # Metal kernels when they apply
-    if o is not None:
-        return o
+    if o is None:
+        o = _attend(queries, cache, scale, mask, sinks)
+    cache.settle_window()  # the graph holds what this chunk read; later queries need fewer float copies
+    return o
+
+
+def _attend(queries, cache: PagedKVCache, scale: float, mask, sinks):
+    """paged_attention on KVExec's MLX-ops path."""
     _, Hq, L, _ = queries.shape
     H = cache.n_kv_heads
     rep, P = Hq // H, cache.seq.page_size

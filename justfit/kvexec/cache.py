@@ -171,6 +171,12 @@ class PagedKVCache(_BaseCache):
         """Share a parent's float copies (a fork holds the same pages, so the same tokens)."""
         self.recent.update(parent.recent)
 
+    def settle_window(self):
+        """After a chunk's attention: keep only the copies later queries read (the `float_pages` before the
+        next token's page), so a long prefill chunk, whose queries needed all of its pages' copies, leaves
+        at most float_pages of them."""
+        self._forget(self.offset // self.seq.page_size - self.kv.float_pages)
+
     def drop_window(self):
         """Free the float copies now (a memory budget needs the room); attention reads those pages
         quantized, and pages sealed later get copies again."""
