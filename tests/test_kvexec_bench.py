@@ -24,7 +24,7 @@ def test_bench_json_rows(monkeypatch, capsys):
     bench_kv.kv(contexts="300", rounds=3, steps=2, full_prefill_max=128, prefill_layers=1, budgets="256M",
                 prompts=0, tokens=4, stress_page=0, document=False, systems=",".join(bench_kv.SYSTEM_NAMES),
                 capacity_probe="2048,4096", chat=True, model="tiny", quick=False, json_out=True,
-                document_file=None)
+                document_file=None, document_tokens=2048)
     out = json.loads(capsys.readouterr().out)
     assert out["bench"] == "kv" and set(out["versions"]) == {"justfit", "mlx", "mlx_lm"}
     assert out["default_system"] == "justfit-default" and out["rounds"] == 3
@@ -52,16 +52,16 @@ def test_bench_rejects_bad_options(tmp_path):
         with pytest.raises(UserError, match="--document-file"):
             bench_kv.kv(contexts="", rounds=1, steps=1, full_prefill_max=1, prefill_layers=1, budgets="", prompts=0,
                         tokens=1, stress_page=0, document=True, systems="justfit-default", capacity_probe="1,2",
-                        chat=False, model="x", quick=False, json_out=True, document_file=bad)
+                        chat=False, model="x", quick=False, json_out=True, document_file=bad, document_tokens=2048)
 
     with pytest.raises(UserError):
         bench_kv.kv(contexts="0", rounds=1, steps=1, full_prefill_max=1, prefill_layers=1, budgets="", prompts=0,
                     tokens=1, stress_page=0, document=False, systems="justfit-default", capacity_probe="1,2", chat=True, model="x", quick=False,
-                    json_out=True, document_file=None)
+                    json_out=True, document_file=None, document_tokens=2048)
     with pytest.raises(UserError):
         bench_kv.kv(contexts="128", rounds=1, steps=1, full_prefill_max=1, prefill_layers=1, budgets="", prompts=0,
                     tokens=1, stress_page=0, document=False, systems="nope", capacity_probe="1,2", chat=True, model="x", quick=False,
-                    json_out=True, document_file=None)
+                    json_out=True, document_file=None, document_tokens=2048)
 
 
 def test_document_rows_see_sealed_pages():

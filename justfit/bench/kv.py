@@ -284,7 +284,7 @@ def _load():
 
 def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: int, prefill_layers: int,
         prompts: int, tokens: int, stress_page: Optional[int], systems, budgets, document: bool,
-        probe=(4096, 8192), chat: bool = True, document_text: Optional[str] = None) -> dict:
+        probe=(4096, 8192), chat: bool = True, document_text: Optional[str] = None, document_tokens: int = 2048) -> dict:
     import mlx.core as mx
     import mlx_lm
 
@@ -312,7 +312,7 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
     quality = []
     if prompts > 0 or document:
         quality = kv_quality.run(model, tokenizer, systems, _factory, prompts, tokens, stress_page, document, chat,
-                                  kv_config=kv_config, document_text=document_text)
+                                  kv_config=kv_config, document_text=document_text, document_tokens=document_tokens)
     default = next((n for n in systems if n.startswith("justfit") and kv_config(n) == KVConfig()), None)
     return {
         "bench": "kv", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
@@ -373,7 +373,8 @@ def kv(
     tokens: int = typer.Option(48, "--tokens", help="Greedy trajectory length per prompt."),
     stress_page: int = typer.Option(32, "--stress-page", help="Extra quality rows at this page size (0: none)."),
     document: bool = typer.Option(True, "--document/--no-document", help="Quality rows on the long held-out document."),
-    document_file: Optional[Path] = typer.Option(None, "--document-file", help="A UTF-8 text file to use as the document instead of the built-in one (first 2,048 tokens)."),
+    document_file: Optional[Path] = typer.Option(None, "--document-file", help="A UTF-8 text file to use as the document instead of the built-in one (first --document-tokens tokens)."),
+    document_tokens: int = typer.Option(2048, "--document-tokens", help="Tokens of the document scored up to (a longer text is cut; the built-in one has 2,010)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Quality rows on the short chats with the default layout."),
     systems: str = typer.Option(",".join(DEFAULT_SYSTEMS), "--systems", help=f"Comma-separated, among {', '.join(SYSTEM_NAMES)}."),
     capacity_probe: str = typer.Option("4096,8192", "--capacity-probe", help="Two contexts where capacity measures the workspace."),
@@ -399,7 +400,7 @@ def kv(
         raise UserError(f"--systems must be among {', '.join(SYSTEM_NAMES)}; --rounds and --steps at least 1")
     text = _read_document(document_file) if document_file is not None else None
     result = run(model, ctxs, steps, rounds, full_prefill_max, prefill_layers, prompts, tokens, stress_page or None,
-                 names, budget_list, document, tuple(probe), chat, text)
+                 names, budget_list, document, tuple(probe), chat, text, document_tokens)
     if text is not None:
         result["document_file"] = str(document_file)
     if json_out:

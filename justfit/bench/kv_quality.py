@@ -165,14 +165,14 @@ DOC_SCORED_FROM = 768  # first scored position: past the full-precision first pa
 # one sealed 4-bit page (default layout), so every scored position reads 4-bit pages
 
 
-DOC_MAX_TOKENS = 2048  # a longer --document-file is cut here (the built-in document has 2,010 tokens)
+DOC_MAX_TOKENS = 2048  # by default a longer --document-file is cut here (the built-in document has 2,010 tokens)
 
 
-def document_ids(tokenizer, text=None):
-    """Token ids of the built-in document, or of `text` (a user's own file), at most DOC_MAX_TOKENS."""
+def document_ids(tokenizer, text=None, max_tokens: int = DOC_MAX_TOKENS):
+    """Token ids of the built-in document, or of `text` (a user's own file), at most max_tokens."""
     from .kv_document import DOCUMENT
 
-    return list(tokenizer.encode(DOCUMENT if text is None else text))[:DOC_MAX_TOKENS]
+    return list(tokenizer.encode(DOCUMENT if text is None else text))[:max_tokens]
 
 
 def _chunked_logits(model, caches, ids):
@@ -222,10 +222,10 @@ def document_rows(model, ids, systems):
 
 
 def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, document, chat=True, kv_config=None,
-        document_text=None):
+        document_text=None, document_tokens=DOC_MAX_TOKENS):
     """All quality rows of `justfit bench kv` for `systems` (names), with `factory(name, model, page, start)`;
     `kv_config(name, page, start)` gives a justfit system's KVConfig (passed in: bench kv owns the names);
-    `document_text` replaces the built-in document."""
+    `document_text` replaces the built-in document, cut at `document_tokens`."""
     def layout(name, page=None, start=None):
         if name.startswith("mlx-lm"):
             return None
@@ -246,7 +246,7 @@ def run(model, tokenizer, systems, factory, prompts, tokens, stress_page, docume
             stress += [p for p in plain if p[0].startswith("mlx-lm") and p[2] is not None]
             rows += [dict(r, workload="stress") for r in quality_rows(model, refs, stress)]
     if document:
-        ids = document_ids(tokenizer, document_text)
+        ids = document_ids(tokenizer, document_text, document_tokens)
         if len(ids) < DOC_SCORED_FROM + 64:
             from justfit.errors import UserError
 

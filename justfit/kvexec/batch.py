@@ -106,10 +106,12 @@ GROUPS = (FULL, QUANT, OPEN)  # sealed float, sealed quantized, the page being f
 
 
 def _split_pages(cache: PagedKVCache):
-    """A decode query sees every key of its sequence, in any order: its pages of each kind in GROUPS."""
+    """A decode query sees every key of its sequence, in any order: its pages of each kind in GROUPS. A float
+    window copy (cache.py) joins the open pages: it changes as often, so it is stacked every step, never kept
+    in the memo (kept there, each sequence's copies were stacked again, widened, every time one changed)."""
     out = {g: [] for g in GROUPS}
-    for _, n, page in cache.attended_pages():
-        out[page.kind].append((n, page))
+    for (_, n, page), (_, _, read) in zip(cache.pages(), cache.attended_pages()):
+        out[OPEN if read is not page else page.kind].append((n, read))
     return [out[g] for g in GROUPS]
 
 
