@@ -417,6 +417,8 @@ class Engine:
             if len(self.running) >= self.max_batch:
                 return
             r.caches = self.make_cache()
+            for c in self._paged([r]):  # batched sequences run without the float window (kvexec/cache.py): its
+                c.drop_window(keep=False)  # copies and their reads cost ~14 MB of peak per sequence (bench batch)
             seq = r.caches[0].seq
             self.pool = seq.pool
             reused = self.index.extend(seq, r.feed, limit=len(r.feed) - 1) if self.index is not None else 0
@@ -505,24 +507,21 @@ class Engine:
         windows = sum(c.window_nbytes for c in self._paged())
         return (self.pool.nbytes if self.pool is not None else 0) + memo_nbytes(self._stacks) + windows
 
-    def _paged(self):
-        """The running sequences' paged caches (their float windows are counted and dropped here)."""
+    def _paged(self, requests=None):
+        """The paged caches of `requests` (default: the running ones), whose float windows are counted here."""
         from .kvexec import PagedKVCache
 
-        return [c for r in self.running for c in r.caches or () if isinstance(c, PagedKVCache)]
+        return [c for r in (self.running if requests is None else requests) for c in r.caches or ()
+                if isinstance(c, PagedKVCache)]
 
     def _fits(self, need: int) -> bool:
-        """True when `need` more bytes fit the budget, after dropping what is only a speed or quality cache
-        (stacked page copies, float windows) and cold cached prefixes, in that order."""
+        """True when `need` more bytes fit the budget, after dropping what is only a speed cache (stacked page
+        copies) and cold cached prefixes, in that order."""
         if self.budget_bytes is None:
             return True
         if self.used_bytes() + need <= self.budget_bytes:
             return True
         self._stacks.clear()  # stacked copies go first: one step rebuilds them
-        if self.used_bytes() + need <= self.budget_bytes:
-            return True
-        for c in self._paged():  # then the float-window copies of recent pages (attention reads the pages)
-            c.drop_window()
         if self.used_bytes() + need <= self.budget_bytes:
             return True
         if self.index is not None:  # cold cached prefixes go first

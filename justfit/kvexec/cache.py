@@ -54,6 +54,7 @@ class PagedKVCache(_BaseCache):
         self.codecs = self.full = None
         self.n_kv_heads = self.head_dim = self.value_dim = self.dtype = self.store = None
         self.recent = {}  # page index -> float Page of a quantized page in the float window
+        self.windowed = kv.float_pages > 0  # whether sealing pages get float copies (drop_window(keep=False))
 
     # ---- protocol -------------------------------------------------------------------------------
     @property
@@ -177,10 +178,11 @@ class PagedKVCache(_BaseCache):
         at most float_pages of them."""
         self._forget(self.offset // self.seq.page_size - self.kv.float_pages)
 
-    def drop_window(self):
+    def drop_window(self, keep: bool = True):
         """Free the float copies now (a memory budget needs the room); attention reads those pages
-        quantized, and pages sealed later get copies again."""
+        quantized, and pages sealed later get copies again unless keep is False."""
         self.recent.clear()
+        self.windowed = self.windowed and keep
 
     def _forget(self, first: int):
         """Drop the float copies of pages before index `first` (they left the float window)."""
@@ -225,7 +227,7 @@ class PagedKVCache(_BaseCache):
             ck, cv = self.codecs
             k, v = k.astype(self.dtype), v.astype(self.dtype)  # an open page's 16-bit buffer: code from float32
             page = Page(QUANT, kernels.seal(ck, k) or ck.encode(k), kernels.seal(cv, v) or cv.encode(v))
-            if self.kv.float_pages:
+            if self.windowed:
                 fk, fv = self.full
                 self.recent[index] = Page(FULL, fk.encode(k), fv.encode(v))
         self.seq.pool.put(self.layer, pid, page)
