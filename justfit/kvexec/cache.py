@@ -4,7 +4,7 @@
 and is quantized when it seals) and returns lightweight `PagedKV` handles. The float window: a quantized
 page keeps a float copy beside it while it is among the `kv.float_pages` pages before the first new
 token's own, so every query reads its own page and the previous one in full precision whatever the chunking
-(`attended_pages`); the copy is this sequence's, in memory only. the attention dispatcher
+(`attended_pages`); the copy is this sequence's, in memory only. The attention dispatcher
 installed by routing.py recognizes them and runs paged attention (attention.py). For a model whose
 attention cannot be routed, the cache runs in `dense` mode and returns dequantized K/V arrays instead.
 """
@@ -179,8 +179,8 @@ class PagedKVCache(_BaseCache):
         self._forget(self.offset // self.seq.page_size - self.kv.float_pages)
 
     def drop_window(self, keep: bool = True):
-        """Free the float copies now (a memory budget needs the room); attention reads those pages
-        quantized, and pages sealed later get copies again unless keep is False."""
+        """Free the float copies now: attention reads those pages quantized; pages sealed later get copies
+        again unless keep is False (the batch scheduler's sequences run without them)."""
         self.recent.clear()
         self.windowed = self.windowed and keep
 
