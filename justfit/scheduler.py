@@ -417,8 +417,7 @@ class Engine:
             if len(self.running) >= self.max_batch:
                 return
             r.caches = self.make_cache()
-            for c in self._paged([r]):  # batched sequences run without the float window (kvexec/cache.py): its
-                c.drop_window(keep=False)  # copies and their reads cost ~14 MB of peak per sequence (bench batch)
+            self._without_window(r.caches)
             seq = r.caches[0].seq
             self.pool = seq.pool
             reused = self.index.extend(seq, r.feed, limit=len(r.feed) - 1) if self.index is not None else 0
@@ -500,19 +499,21 @@ class Engine:
             self.index.evict_memory(self.budget_bytes // 2)
 
     def used_bytes(self) -> int:
-        """Bytes of every page in the pool (running sequences' and cached prefixes'), the running sequences'
-        float-window copies, plus the stacked copies of sealed pages batched decode keeps between steps."""
+        """Bytes of every page in the pool (running sequences' and cached prefixes') plus the stacked copies
+        of sealed pages batched decode keeps between steps (sequences here keep no float-window copies)."""
         from .kvexec.batch import memo_nbytes
 
-        windows = sum(c.window_nbytes for c in self._paged())
-        return (self.pool.nbytes if self.pool is not None else 0) + memo_nbytes(self._stacks) + windows
+        return (self.pool.nbytes if self.pool is not None else 0) + memo_nbytes(self._stacks)
 
-    def _paged(self, requests=None):
-        """The paged caches of `requests` (default: the running ones), whose float windows are counted here."""
+    @staticmethod
+    def _without_window(caches):
+        """Batched sequences run without the float window (kvexec/cache.py): its copies and their reads cost
+        ~14 MB of peak per sequence (bench batch)."""
         from .kvexec import PagedKVCache
 
-        return [c for r in (self.running if requests is None else requests) for c in r.caches or ()
-                if isinstance(c, PagedKVCache)]
+        for c in caches:
+            if isinstance(c, PagedKVCache):
+                c.drop_window(keep=False)
 
     def _fits(self, need: int) -> bool:
         """True when `need` more bytes fit the budget, after dropping what is only a speed cache (stacked page
