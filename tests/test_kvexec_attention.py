@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from justfit.config import KVConfig
-from justfit.kvexec import PagePool, Sequence, attention, softmax, streams
+from justfit.kvexec import PagePool, Sequence, attention, decode, softmax, streams
 from justfit.kvexec.cache import PagedKVCache, PagedMask
 
 FORMATS = [dict(bits=16), dict(bits=8), dict(bits=4), dict(bits=4, group_size=32), dict(bits=4, format="rotated"),
@@ -112,6 +112,7 @@ def test_whole_and_online_softmax_agree(fmt, monkeypatch):
     cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 150, 64)).astype(np.float32)) for _ in "kv"))
     real, calls = softmax.whole, []
     monkeypatch.setattr(softmax, "whole", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(decode, "applies", lambda *a: False)  # one decode query has its own path (test_kvexec_decode)
     for L in (1, 5):
         q = mx.array(rng.standard_normal((1, 4, L, 64)).astype(np.float32))
         for sinks, mask in ((None, None), (mx.array([0.5, -1.0, 2.0, 0.0]), None), (None, PagedMask(48))):
@@ -135,6 +136,7 @@ def test_keys_split_across_streams_match_reference(fmt, monkeypatch):
     cache, rng = _cache(kv), np.random.default_rng(11)
     cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 200, 64)).astype(np.float32)) for _ in "kv"))
     monkeypatch.setattr(streams, "SPLIT_ELEMENTS", 1)  # every block is worth splitting
+    monkeypatch.setattr(decode, "applies", lambda *a: False)  # decode past the memo bound takes this path too
     monkeypatch.setattr(streams, "MAX_PARTS", 3)
     used, real = [], streams.on
     monkeypatch.setattr(streams, "on", lambda i: used.append(i) or real(i))
@@ -172,6 +174,7 @@ def test_full_precision_pages_use_fused_attention(monkeypatch):
     cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 70, 64)).astype(np.float32)) for _ in "kv"))
     assert {p.kind for _, _, p in cache.pages()} == {"fp", "open"}
     fused, real = [], mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(decode, "applies", lambda *a: False)  # plain decode takes decode.py's path first
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda *a, **k: fused.append(1) or real(*a, **k))
     for L in (1, 6):
         q = mx.array(rng.standard_normal((1, 4, L, 64)).astype(np.float32))

@@ -17,7 +17,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import kernels, softmax, streams
+from . import decode, kernels, softmax, streams
 from .cache import PagedKVCache, PagedMask
 from .pages import QUANT
 
@@ -30,6 +30,8 @@ CHAIN_ELEMENTS = 1 << 20  # score blocks this big are chained (a run's reads wai
 def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks: Optional[mx.array] = None):
     """softmax(q k^T * scale + mask) v over the cache's pages; queries [1, Hq, L, D] -> [1, Hq, L, Dv]."""
     o = kernels.attention(queries, cache, scale, mask, sinks)  # Metal kernels when they apply
+    if o is None and decode.applies(queries, cache, mask, sinks):
+        o = decode.attention(queries, cache, scale)  # one query at a short context: few ops
     if o is None:
         o = _attend(queries, cache, scale, mask, sinks)
     cache.settle_window()  # the graph holds what this chunk read; later queries need fewer float copies

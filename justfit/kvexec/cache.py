@@ -17,6 +17,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from ..errors import UserError
 from . import kernels
+from .decode import RunMemo
 from .formats import full_codecs, make_codecs, storage_dtype
 from .pages import FULL, OPEN, QUANT, Page, Sequence
 
@@ -55,6 +56,7 @@ class PagedKVCache(_BaseCache):
         self.n_kv_heads = self.head_dim = self.value_dim = self.dtype = self.store = None
         self.recent = {}  # page index -> float Page of a quantized page in the float window
         self.windowed = kv.float_pages > 0  # whether sealing pages get float copies (drop_window(keep=False))
+        self.memo = RunMemo()  # a short context's sealed 4-bit pages stacked for decode (decode.py)
 
     # ---- protocol -------------------------------------------------------------------------------
     @property
@@ -94,6 +96,9 @@ class PagedKVCache(_BaseCache):
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
+        P = self.seq.page_size
+        if self.offset - n < self.offset // P * P:
+            self.memo.clear()  # a sealed page is cut: free a stale stack now, not at the next decode
         self.seq.set_length(self.layer, self.offset - n)
         return n
 
@@ -123,8 +128,8 @@ class PagedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this layer's pages plus their float-window copies."""
-        return sum(page.nbytes for _, _, page in self.pages()) + self.window_nbytes
+        """Bytes of this layer's pages plus their float-window copies and the decode memo's stacked pages."""
+        return sum(page.nbytes for _, _, page in self.pages()) + self.window_nbytes + self.memo.nbytes
 
     @property
     def window_nbytes(self) -> int:

@@ -1,0 +1,96 @@
+"""Single-query decode on few ops: a short context's sealed pages kept stacked between seals.
+
+Decoding one token at a short context is bound by the number of MLX ops per layer more than by bytes (a CPU
+op costs ~5-10 us to dispatch; a layer's attention reads a few hundred KB). The general path (attention.py)
+concatenates and widens every quantized page's parts again at every step and scores each run apart, on
+parallel streams past ~1k keys. Here a layer's sealed quantized pages are concatenated and their 16-bit
+scales widened once, when a page seals (`RunMemo`), and so are its sealed float pages (the first
+full-precision page and the float window's copy); the open page is the third run, one plain softmax
+over all. The memo is a second copy of at most `MEMO_TOKENS` quantized tokens and of the float window's
+pages (default model at 2.5k tokens: 0.9 MB a layer), counted in the cache's `nbytes`; longer contexts take
+the general path, where reading bytes costs more than ops.
+"""
+
+import mlx.core as mx
+
+from .pages import FULL, OPEN, QUANT
+
+MEMO_TOKENS = 2048  # most sealed quantized tokens a layer stacks here (longer contexts: attention.py; at
+# 3.3k tokens the memo measured no faster than the general path)
+
+
+class RunMemo:
+    """One layer's sealed pages of each kind (quantized, float) concatenated, reused while they stay the same."""
+
+    def __init__(self):
+        self.runs: dict = {}  # kind -> (the Page records stacked, held so their ids stay theirs; their parts)
+
+    def get(self, kind: str, pages, codecs):
+        """(key parts, value parts) of `pages` (sealed, of one kind, in token order), stacked once; a
+        quantized run's 16-bit scales widened to float32 (what every read would cast them to)."""
+        held = self.runs.get(kind)
+        if held is None or len(held[0]) != len(pages) or any(a is not b for a, b in zip(pages, held[0])):
+            parts = tuple(_stack([p.parts()[w] for p in pages]) for w in (0, 1))
+            if kind == QUANT:
+                parts = tuple(codec.widened(x, mx.float32) for codec, x in zip(codecs, parts))
+            held = self.runs[kind] = (tuple(pages), parts)
+        return held[1]
+
+    def clear(self):
+        self.runs.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, parts in self.runs.values() for x in parts for a in x)
+
+
+def applies(queries, cache, mask, sinks) -> bool:
+    """One causal query (no window, no sinks, no dense mask) on a context whose sealed 4-bit part fits the memo."""
+    if queries.shape[2] != 1 or sinks is not None or cache.window is not None or cache.dense:
+        return False
+    return (mask is None or (isinstance(mask, str) and mask == "causal")) and cache.offset <= MEMO_TOKENS + \
+        cache.kv.quantized_kv_start + (cache.kv.float_pages + 1) * cache.seq.page_size
+
+
+def attention(queries, cache, scale: float):
+    """softmax(q k^T * scale) v for one query [1, Hq, 1, D] -> [1, Hq, 1, Dv], or None (the general path runs)
+    when a sealed page is partial (a trim inside it) or the sealed 4-bit part outgrew the memo."""
+    _, Hq, _, D = queries.shape
+    H, P = cache.n_kv_heads, cache.seq.page_size
+    quant, sealed, open_ = [], [], None
+    for _, n, page in cache.attended_pages():
+        if page.kind == OPEN:
+            open_ = (n, page)
+        elif n < P or (page.kind == QUANT and (len(quant) + 1) * P > MEMO_TOKENS):
+            return None
+        else:
+            (quant if page.kind == QUANT else sealed).append(page)
+    q = queries.reshape(H, Hq // H, D).astype(mx.float32) * scale
+    scores, values = [], []
+    float_memo = len(sealed) <= cache.kv.quantized_kv_start // P + cache.kv.float_pages  # else bits=16: no copy
+    for kind, pages, (ck, cv) in ((QUANT, quant, cache.codecs), (FULL, sealed, cache.full)):
+        if pages:
+            if kind == QUANT or float_memo:
+                kparts, vparts = cache.memo.get(kind, pages, (ck, cv))
+            else:  # every page full precision (bits=16): read in place, never copied twice
+                kparts, vparts = (_stack([p.parts()[w] for p in pages]) for w in (0, 1))
+            scores.append(ck.scores(ck.prepare(q), kparts).astype(mx.float32))
+            values.append((cv, vparts))
+    if open_ is not None:
+        n, page = open_
+        fk, fv = cache.full
+        k, v = (x[0][:, :n].astype(mx.float32) for x in page.parts())
+        scores.append(fk.scores(q, (k,)))
+        values.append((fv, (v,)))
+    p = mx.softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1), axis=-1, precise=True)
+    o, t0 = None, 0
+    for s, (cv, parts) in zip(scores, values):
+        T = s.shape[-1]
+        x = cv.finish(cv.mix(p if len(scores) == 1 else p[..., t0 : t0 + T], parts))
+        o, t0 = x if o is None else o + x, t0 + T
+    return o.reshape(1, Hq, 1, -1).astype(queries.dtype)
+
+
+def _stack(parts_list):
+    """Per-page parts tuples concatenated along tokens, part by part."""
+    return tuple(mx.concatenate(list(col), axis=1) if len(col) > 1 else col[0] for col in zip(*parts_list))
