@@ -98,3 +98,20 @@ def test_partial_sealed_page_after_a_trim_falls_back():
     assert decode.attention(q, cache, 0.125) is None
     np.testing.assert_allclose(np.array(attention.paged_attention(q, cache, 0.125)), np.array(_general(q, cache)),
                                atol=1e-6)
+
+
+def test_a_kv_spill_frees_the_memo_and_decode_after_reload_is_unchanged(tmp_path):
+    from justfit.phaseswap.kvspill import cache_component
+
+    k, v, q = _kvq(200)
+    cache = _cache()
+    cache.update_and_fetch(k[:, :, :199], v[:, :, :199])
+    cache.update_and_fetch(k[:, :, 199:], v[:, :, 199:])
+    before = attention.paged_attention(q, cache, 0.125)
+    mx.eval(before)
+    assert cache.memo.nbytes > 0
+    component = cache_component("s", [cache], tmp_path)
+    component.unload()
+    assert cache.memo.nbytes == 0  # the stacks would otherwise keep the spilled pages in memory
+    component.load()
+    assert mx.array_equal(attention.paged_attention(q, cache, 0.125), before)

@@ -10,7 +10,8 @@ whole cache ever exists. Pages a query block cannot see (after its last query, o
 window) are skipped, never read, so a prefill chunk runs in blocks of a few pages to skip its masked half.
 On the CPU a big block's pages are split across parallel streams, one core each (streams.py). While no
 page is quantized (a short chat, the first pages of any sequence), MLX's fused attention runs on the
-pages' float K/V instead: the same result in a quarter of the ops.
+pages' float K/V instead: the same result in a quarter of the ops. One decode query at a short context
+runs on decode.py's stacked pages first (fewer ops still); this path serves everything else.
 """
 
 from typing import Optional

@@ -98,7 +98,7 @@ class PagedKVCache(_BaseCache):
         n = min(self.offset, n)
         P = self.seq.page_size
         if self.offset - n < self.offset // P * P:
-            self.memo.clear()  # a sealed page is cut: free a stale stack now, not at the next decode
+            self.drop_memo()  # a sealed page is cut: free a stale stack now, not at the next decode
         self.seq.set_length(self.layer, self.offset - n)
         return n
 
@@ -188,6 +188,11 @@ class PagedKVCache(_BaseCache):
         again unless keep is False (the batch scheduler's sequences run without them)."""
         self.recent.clear()
         self.windowed = self.windowed and keep
+
+    def drop_memo(self):
+        """Free the decode memo's stacked copies of sealed pages (decode.py rebuilds them from the pages when
+        it next runs): after a trim that cuts a sealed page, or when the pages leave memory (a KV spill)."""
+        self.memo.clear()
 
     def _forget(self, first: int):
         """Drop the float copies of pages before index `first` (they left the float window)."""

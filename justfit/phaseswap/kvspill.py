@@ -100,6 +100,8 @@ def _drop(caches, meta, path):
         for key, kind in meta.items():
             layer, pid = (int(x) for x in key.split("."))
             seq.pool.put(layer, pid, Page(kind, loader=_page_loader(path, key)))
+        for c in caches:
+            c.drop_memo()  # its stacked copies of the spilled pages would keep them in memory
     else:
         for c in caches:
             c.keys = c.values = None
