@@ -56,7 +56,7 @@ class PagedKVCache(_BaseCache):
         self.n_kv_heads = self.head_dim = self.value_dim = self.dtype = self.store = None
         self.recent = {}  # page index -> float Page of a quantized page in the float window
         self.windowed = kv.float_pages > 0  # whether sealing pages get float copies (drop_window(keep=False))
-        self.memo = RunMemo()  # a short context's sealed 4-bit pages stacked for decode (decode.py)
+        self.memo = RunMemo()  # a short context's sealed pages stacked for decode (decode.py)
 
     # ---- protocol -------------------------------------------------------------------------------
     @property

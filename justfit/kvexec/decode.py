@@ -41,7 +41,12 @@ class RunMemo:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for _, parts in self.runs.values() for x in parts for a in x)
+        """Bytes of the copies (a run of one page reuses that page's own arrays, which are not counted)."""
+        total = 0
+        for pages, parts in self.runs.values():
+            own = {id(a) for p in pages for side in p.parts() for a in side}
+            total += sum(a.nbytes for x in parts for a in x if id(a) not in own)
+        return total
 
 
 def applies(queries, cache, mask, sinks) -> bool:
