@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from . import decode, kernels, softmax, streams
 from .cache import PagedKVCache, PagedMask
+from .formats import concat_parts
 from .pages import QUANT
 
 RUN_ELEMENTS = 1 << 22  # bound on one run's score block (heads x queries x keys), 16 MiB in float32
@@ -120,10 +121,7 @@ def _concat(pages, codec, which, page_size):
 
     Only the cache's last page can be partial, so whole-group padding a codec keeps sits at the run's end."""
     parts = [page.parts()[which] for _, _, page in pages]
-    cut = [codec.take(ps, n) if n < page_size else ps for (_, n, _), ps in zip(pages, parts)]
-    if len(cut) == 1:
-        return cut[0]
-    return tuple(mx.concatenate(list(col), axis=1) for col in zip(*cut))
+    return concat_parts([codec.take(ps, n) if n < page_size else ps for (_, n, _), ps in zip(pages, parts)])
 
 
 def _attend_block(cache, pages, qb, first, last, window, dense_mask, sinks, run_tokens):

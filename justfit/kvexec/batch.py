@@ -20,6 +20,7 @@ import mlx.core as mx
 from . import softmax, streams
 from .attention import RUN_ELEMENTS, fits_one_softmax, paged_attention
 from .cache import PagedKVCache
+from .formats import concat_parts
 from .pages import FULL, OPEN, QUANT
 
 
@@ -213,9 +214,9 @@ def _cat(parts_list, template, n: int, T: int):
     """One sequence's page parts concatenated along tokens and zero-padded from n to T storage units."""
     if not parts_list:
         return tuple(mx.zeros((z.shape[0], T, *z.shape[2:]), z.dtype) for z in template)
-    cols = [mx.concatenate(list(c), axis=1) if len(c) > 1 else c[0] for c in zip(*parts_list)]
+    cols = concat_parts(parts_list)
     if n == T:
-        return tuple(cols)
+        return cols
     return tuple(mx.pad(c, [(0, 0), (0, T - n)] + [(0, 0)] * (c.ndim - 2)) for c in cols)
 
 

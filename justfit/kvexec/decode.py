@@ -13,6 +13,7 @@ the general path, where reading bytes costs more than ops.
 
 import mlx.core as mx
 
+from .formats import concat_parts
 from .pages import FULL, OPEN, QUANT
 
 MEMO_TOKENS = 2048  # most sealed quantized tokens a layer stacks here (longer contexts: attention.py; at
@@ -30,7 +31,7 @@ class RunMemo:
         quantized run's 16-bit scales widened to float32 (what every read would cast them to)."""
         held = self.runs.get(kind)
         if held is None or len(held[0]) != len(pages) or any(a is not b for a, b in zip(pages, held[0])):
-            parts = tuple(_stack([p.parts()[w] for p in pages]) for w in (0, 1))
+            parts = tuple(concat_parts([p.parts()[w] for p in pages]) for w in (0, 1))
             if kind == QUANT:
                 parts = tuple(codec.widened(x, mx.float32) for codec, x in zip(codecs, parts))
             held = self.runs[kind] = (tuple(pages), parts)
@@ -78,7 +79,7 @@ def attention(queries, cache, scale: float):
             if kind == QUANT or float_memo:
                 kparts, vparts = cache.memo.get(kind, pages, (ck, cv))
             else:  # every page full precision (bits=16): read in place, never copied twice
-                kparts, vparts = (_stack([p.parts()[w] for p in pages]) for w in (0, 1))
+                kparts, vparts = (concat_parts([p.parts()[w] for p in pages]) for w in (0, 1))
             scores.append(ck.scores(ck.prepare(q), kparts).astype(mx.float32))
             values.append((cv, vparts))
     if open_ is not None:
@@ -95,7 +96,3 @@ def attention(queries, cache, scale: float):
         o, t0 = x if o is None else o + x, t0 + T
     return o.reshape(1, Hq, 1, -1).astype(queries.dtype)
 
-
-def _stack(parts_list):
-    """Per-page parts tuples concatenated along tokens, part by part."""
-    return tuple(mx.concatenate(list(col), axis=1) if len(col) > 1 else col[0] for col in zip(*parts_list))

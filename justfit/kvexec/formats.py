@@ -251,5 +251,10 @@ def full_codecs(kv, key_dim: int, value_dim: int, dtype=mx.float32):
     return FullCodec(key_dim, store), FullCodec(value_dim, store)
 
 
+def concat_parts(parts_list) -> tuple:
+    """Several pages' parts tuples joined along the token axis (1), part by part; one page's parts as they are."""
+    return tuple(mx.concatenate(list(col), axis=1) if len(col) > 1 else col[0] for col in zip(*parts_list))
+
+
 def parts_nbytes(parts) -> int:
     return sum(a.nbytes for a in parts)
