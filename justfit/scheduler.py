@@ -252,7 +252,10 @@ class Engine:
         from .kvexec.batch import BatchPlan, forward
 
         if len(plan) == 1 and plan[0][1] == 1:
-            return self.model(mx.array(ids).reshape(1, 1), cache=plan[0][0].caches)[:, -1]
+            logits = self.model(mx.array(ids).reshape(1, 1), cache=plan[0][0].caches)[:, -1]
+            if self.budget_bytes is not None and self.used_bytes() > self.budget_bytes:
+                self._drop_copies()  # its decode memo does not fit beside the pages: workspace of this step only
+            return logits
         return forward(self.model, BatchPlan([(r.caches, n) for r, n in plan], self._memo(plan)), ids)
 
     def _memo(self, plan: List[tuple]) -> Optional[dict]:
@@ -267,7 +270,7 @@ class Engine:
         stacks = 2 * len(decoders) * self.kv_bytes.seq(longest)  # kept widened to float32: at most 2x stored
         if self.pool.nbytes + stacks <= self.budget_bytes:
             return self._stacks
-        self._stacks.clear()
+        self._drop_copies()
         return None
 
     def _publish_sealed(self, r: Request, before: int):
@@ -489,7 +492,7 @@ class Engine:
                 except OSError:
                     pass  # stays in memory only; if evicted there, its tokens are recomputed
         seq.release()
-        self._stacks.clear()  # memory is short: stacked copies of sealed pages go too
+        self._drop_copies()  # memory is short: stacked copies of sealed pages go too
         r.caches, r.cached, r.state = None, 0, QUEUED
         r.preemptions += 1
         self.preempted += 1
@@ -500,10 +503,22 @@ class Engine:
 
     def used_bytes(self) -> int:
         """Bytes of every page in the pool (running sequences' and cached prefixes') plus the stacked copies
-        of sealed pages batched decode keeps between steps (sequences here keep no float-window copies)."""
+        of sealed pages decode keeps between steps: batched decode's, and each sequence's own decode memo
+        (kvexec/decode.py, filled while it decodes alone). Sequences here keep no float-window copies."""
         from .kvexec.batch import memo_nbytes
 
-        return (self.pool.nbytes if self.pool is not None else 0) + memo_nbytes(self._stacks)
+        pool = self.pool.nbytes if self.pool is not None else 0
+        return pool + memo_nbytes(self._stacks) + sum(c.memo.nbytes for c in self._memo_caches())
+
+    def _memo_caches(self):
+        """Running sequences' layer caches that hold a decode memo."""
+        return [c for r in self.running if r.caches for c in r.caches if getattr(c, "memo", None) and c.memo.runs]
+
+    def _drop_copies(self):
+        """Free every stacked copy of sealed pages (a speed cache: the next decode step rebuilds what it reads)."""
+        self._stacks.clear()
+        for c in self._memo_caches():
+            c.drop_memo()
 
     @staticmethod
     def _without_window(caches):
@@ -522,7 +537,7 @@ class Engine:
             return True
         if self.used_bytes() + need <= self.budget_bytes:
             return True
-        self._stacks.clear()  # stacked copies go first: one step rebuilds them
+        self._drop_copies()  # stacked copies go first: one step rebuilds them
         if self.used_bytes() + need <= self.budget_bytes:
             return True
         if self.index is not None:  # cold cached prefixes go first

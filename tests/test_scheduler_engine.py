@@ -191,7 +191,7 @@ def test_stacked_pages_count_in_the_budget(rt):
         while not all(r.done for r in reqs):
             eng.step()
             kept = max(kept, memo_nbytes(eng._stacks))
-            assert eng.used_bytes() == eng.pool.nbytes + memo_nbytes(eng._stacks)
+            assert eng.used_bytes() == eng.pool.nbytes + memo_nbytes(eng._stacks) + _lone_memo_bytes(reqs)
             if eng.budget_bytes is not None:
                 assert eng.used_bytes() <= eng.budget_bytes
         return [r.result().tokens for r in reqs], kept
@@ -203,6 +203,40 @@ def test_stacked_pages_count_in_the_budget(rt):
     assert kept == 0 and tight.preempted == 0
     ref, kept = run(free)  # (attaches the pages the tight run cached: same tokens either way)
     assert kept > 0 and got == ref  # three decoders with sealed pages: without a budget stacks are kept
+
+
+def _lone_memo_bytes(reqs):
+    """Bytes of the decode memos (kvexec/decode.py) the requests' caches hold: filled while one decodes alone."""
+    return sum(c.memo.nbytes for r in reqs if r.caches for c in r.caches)
+
+
+def test_a_lone_decoders_memo_counts_in_the_budget_and_goes_first(rt):
+    """A request decoding alone reads its sealed 4-bit pages through its caches' decode memo: the copies count
+    in used_bytes, and under a budget that holds the pages but not the copies they are dropped after each
+    step (never kept over the budget), with the same tokens."""
+    from justfit.kvexec import make_cache
+
+    kv = KVConfig(page_size=32, quantized_kv_start=32)  # 4-bit pages from the second page on
+    ids = rt.encode(_unique("Harbour ledger: the ferry left at dawn and came back at noon with salt. " * 3))
+
+    def run(budget):
+        eng = Engine(rt.model, rt.tokenizer, lambda: make_cache(rt.model, kv), kv=kv, budget_bytes=budget)
+        r = eng.submit(ids, max_tokens=8)
+        held, pool = 0, 0
+        while not r.done:
+            eng.step()
+            memo = _lone_memo_bytes([r])
+            held, pool = max(held, memo), max(pool, eng.pool.nbytes if r.caches else 0)
+            if r.caches:
+                assert eng.used_bytes() == eng.pool.nbytes + memo
+            if budget is not None:
+                assert eng.used_bytes() <= budget
+        return r.result().tokens, held, pool
+
+    ref, held, pool = run(None)
+    assert held > 0  # the mechanism ran: sealed 4-bit pages stacked for decode
+    got, kept, _ = run(pool + held // 2)  # the pages fit, their copies do not
+    assert got == ref and kept < held
 
 
 def test_decode_steps_are_queued_ahead_and_a_cancel_in_between_is_exact(rt):
