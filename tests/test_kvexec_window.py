@@ -31,7 +31,8 @@ def _feed(cache, k, v, sizes):
 
 def _expected(cache, k, v, q, t):
     """Attention of the query at position t built independently: pages before t's previous page decoded
-    from their stored 4-bit parts, later ones the float K/V rounded to the 16-bit storage dtype."""
+    from their stored 4-bit parts, the previous page's float copy rounded to the 16-bit storage dtype, and
+    t's own page (the open one) exact: it is held in the dtype K/V arrive in."""
     ks, vs = [], []
     ck, cv = cache.codecs
     for s, n, page in cache.pages():
@@ -41,8 +42,9 @@ def _expected(cache, k, v, q, t):
             ks.append(ck.decode(kp)[:, :n])
             vs.append(cv.decode(vp)[:, :n])
         else:
-            ks.append(k[0, :, s : s + n].astype(mx.bfloat16).astype(mx.float32))
-            vs.append(v[0, :, s : s + n].astype(mx.bfloat16).astype(mx.float32))
+            own = s // P == t // P
+            ks.append(k[0, :, s : s + n] if own else k[0, :, s : s + n].astype(mx.bfloat16).astype(mx.float32))
+            vs.append(v[0, :, s : s + n] if own else v[0, :, s : s + n].astype(mx.bfloat16).astype(mx.float32))
     kk, vv = mx.concatenate(ks, axis=1)[:, : t + 1], mx.concatenate(vs, axis=1)[:, : t + 1]
     p = mx.softmax((q[0, :, t : t + 1] * 0.125) @ kk.swapaxes(-1, -2), axis=-1)
     return p @ vv
@@ -96,7 +98,8 @@ def test_trim_into_a_sealed_page_reopens_it_from_its_float_copy():
     page = cache.pages()[1][2]
     assert page.kind == "open" and 1 not in cache.recent
     kb = page.parts()[0][0][:, : P - 4]
-    want = k[0, :, P : 2 * P - 4].astype(kb.dtype)
+    kept = k[0, :, P : 2 * P - 5].astype(mx.bfloat16).astype(kb.dtype)  # from the copy (16-bit storage dtype)
+    want = mx.concatenate([kept, k[0, :, 2 * P - 5 : 2 * P - 4]], axis=1)  # then the token just written, exact
     assert mx.array_equal(kb, want)  # the reopened tokens are the float ones, not their 4-bit codes
 
 

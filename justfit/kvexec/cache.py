@@ -18,7 +18,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from ..errors import UserError
 from . import kernels
 from .decode import RunMemo
-from .formats import full_codecs, make_codecs, storage_dtype
+from .formats import full_codecs, make_codecs
 from .pages import FULL, OPEN, QUANT, Page, Sequence
 
 
@@ -53,7 +53,7 @@ class PagedKVCache(_BaseCache):
         self.window, self.dense = window, dense
         self.poison = False  # tests: fill fresh page buffers with NaN to prove they are never read
         self.codecs = self.full = None
-        self.n_kv_heads = self.head_dim = self.value_dim = self.dtype = self.store = None
+        self.n_kv_heads = self.head_dim = self.value_dim = self.dtype = None
         self.recent = {}  # page index -> float Page of a quantized page in the float window
         self.windowed = kv.float_pages > 0  # whether sealing pages get float copies (drop_window(keep=False))
         self.memo = RunMemo()  # a short context's sealed pages stacked for decode (decode.py)
@@ -169,7 +169,6 @@ class PagedKVCache(_BaseCache):
         if self.kv.bits != 16 and D != Dv:
             raise UserError(f"quantized KV pages need equal key and value head dims, got {D} and {Dv}")
         self.n_kv_heads, self.head_dim, self.value_dim, self.dtype = H, D, Dv, dtype
-        self.store = storage_dtype(self.kv, dtype)  # full-precision pages: 16-bit beside 4/8-bit ones
         self.codecs = make_codecs(self.kv, D, dtype)
         self.full = full_codecs(self.kv, D, Dv, dtype)
 
@@ -218,15 +217,18 @@ class PagedKVCache(_BaseCache):
         self.seq.pool.put(self.layer, pid, Page(OPEN, (kb,), (vb,)))
 
     def _fresh(self, H, P, D):
+        """An open page's buffer, in the dtype K/V arrive in: a token written and read every step is never cast
+        (4 fewer ops a layer per decode step than a 16-bit buffer: ~3% of decode on the default model, CPU);
+        sealing stores it in the storage dtype."""
         fill = float("nan") if self.poison else 0.0
-        return mx.full((H, P, D), fill, dtype=self.store)
+        return mx.full((H, P, D), fill, dtype=self.dtype)
 
     def _unsealed(self, page: Page):
         """Full-precision buffers of a page about to be written (a sealed page reopened by a trim)."""
         (ck, cv), (k, v) = self.codec(page), page.parts()
         if page.kind == OPEN:
             return k[0], v[0]
-        return ck.decode(k).astype(self.store), cv.decode(v).astype(self.store)
+        return ck.decode(k).astype(self.dtype), cv.decode(v).astype(self.dtype)
 
     def _seal(self, pid: int, index: int, k, v):
         """A full page: keep it full precision (bits=16 or inside quantized_kv_start), else quantize it."""
@@ -235,7 +237,7 @@ class PagedKVCache(_BaseCache):
             page = Page(FULL, fk.encode(k), fv.encode(v))
         else:
             ck, cv = self.codecs
-            k, v = k.astype(self.dtype), v.astype(self.dtype)  # an open page's 16-bit buffer: code from float32
+            k, v = k.astype(self.dtype), v.astype(self.dtype)  # a restored 16-bit open page: code from float32
             page = Page(QUANT, kernels.seal(ck, k) or ck.encode(k), kernels.seal(cv, v) or cv.encode(v))
             if self.windowed:
                 fk, fv = self.full
