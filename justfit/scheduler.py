@@ -523,12 +523,12 @@ class Engine:
     @staticmethod
     def _without_window(caches):
         """Batched sequences run without the float window (kvexec/cache.py): its copies and their reads cost
-        ~14 MB of peak per sequence (bench batch)."""
+        ~14 MB of peak per sequence (bench batch); and their open pages stay 16-bit (capacity: for_batch)."""
         from .kvexec import PagedKVCache
 
         for c in caches:
             if isinstance(c, PagedKVCache):
-                c.drop_window(keep=False)
+                c.for_batch()
 
     def _fits(self, need: int) -> bool:
         """True when `need` more bytes fit the budget, after dropping what is only a speed cache (stacked page

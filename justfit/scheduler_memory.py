@@ -2,9 +2,9 @@
 
 Page sizes come from the page codecs themselves (one page of zeros encoded, its parts' `.nbytes` summed;
 shapes only, nothing is computed), so every KV format, key format and key width is counted exactly as
-kvexec stores it. A sequence's pages: sealed pages before quantized_kv_start stay full precision (storage
-dtype), later sealed pages are quantized, and the open last page is a whole page's buffer in the dtype K/V
-arrive in (float32 on CPU).
+kvexec stores it. A sequence's pages: sealed pages before quantized_kv_start stay full precision, later
+sealed pages are quantized, and the open last page is a full-precision buffer of a whole page (16-bit like
+the sealed ones: the scheduler's caches run `for_batch`, kvexec/cache.py).
 """
 
 
@@ -13,7 +13,7 @@ class KVBytes:
 
     def __init__(self, model, kv):
         self.page_size = kv.page_size
-        self.open, self.fp, self.quant = _page_bytes(model, kv)  # an open page, a sealed full-precision one, a quantized one
+        self.open, self.quant = _page_bytes(model, kv)  # a full-precision page (open or sealed), a quantized one
         self.fp_pages = None if kv.bits == 16 else -(-kv.quantized_kv_start // kv.page_size)
 
     def seq(self, n: int) -> int:
@@ -22,7 +22,7 @@ class KVBytes:
             return 0
         sealed, partial = divmod(n, self.page_size)
         fp = sealed if self.fp_pages is None else min(sealed, self.fp_pages)
-        return fp * self.fp + bool(partial) * self.open + (sealed - fp) * self.quant
+        return (fp + bool(partial)) * self.open + (sealed - fp) * self.quant
 
     def worst(self, n: int) -> int:
         """Bytes one request of n tokens can reach (an open page past its last sealed one)."""
@@ -34,7 +34,7 @@ class KVBytes:
 
 
 def _page_bytes(model, kv) -> tuple:
-    """(open page, sealed full-precision page, quantized page) bytes of one page id across the paged layers."""
+    """(full-precision page, quantized page) bytes of one page id across the paged layers."""
     import mlx.core as mx
 
     from .kvexec.formats import full_codecs, make_codecs
@@ -49,8 +49,7 @@ def _page_bytes(model, kv) -> tuple:
         return sum(x.nbytes for c in codecs for x in c.encode(zeros))
 
     layers = _paged_layers(model)
-    sealed = (nbytes(full_codecs(kv, dim, dim, dtype)), nbytes(make_codecs(kv, dim, dtype)))
-    return layers * 2 * zeros.nbytes, layers * sealed[0], layers * sealed[1]
+    return layers * nbytes(full_codecs(kv, dim, dim, dtype)), layers * nbytes(make_codecs(kv, dim, dtype))
 
 
 def _paged_layers(model) -> int:

@@ -157,6 +157,24 @@ def test_quantized_configs_store_16_bit_floats_for_a_float32_model():
         assert {a.dtype for a in first.k + first.v} == {formats.storage_dtype(kv, mx.float32)}
 
 
+def test_open_pages_hold_float32_alone_and_16_bits_when_batched():
+    """The page being filled keeps the dtype K/V arrive in (no cast per token), except in batched serving
+    (for_batch), where it stays in the 16-bit storage dtype that the scheduler's KV arithmetic counts."""
+    from justfit.kvexec.cache import PagedKVCache
+    from justfit.kvexec.pages import PagePool, Sequence
+
+    x = mx.random.normal((1, 3, 300, 64), key=mx.random.key(6))
+    for batched, want in ((False, mx.float32), (True, mx.bfloat16)):
+        c = PagedKVCache(Sequence(PagePool(1, 256)), 0, KVConfig())
+        if batched:
+            c.for_batch()
+        c.update_and_fetch(x, x)
+        c.update_and_fetch(x[:, :, :1], x[:, :, :1])
+        (_, _, first), (_, n, page) = c.pages()
+        assert page.kind == "open" and n == 45 and {a.dtype for a in page.k + page.v} == {want}
+        assert first.kind == "fp" and {a.dtype for a in first.k + first.v} == {mx.bfloat16}  # sealed: 16 bits
+
+
 @pytest.mark.parametrize("kv", [KVConfig(quantized_kv_start=0), KVConfig(quantized_kv_start=0, bits=8)],
                          ids=lambda k: k.name)
 def test_16_bit_scales_read_exactly_and_old_float32_pages_still_read(kv):
