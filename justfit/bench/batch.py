@@ -113,6 +113,8 @@ def capacity_rows(model, tokenizer, kv, home, budget, tokens):
     eng = Engine(model, tokenizer, lambda: make_cache(model, kv, pool=index.pool), index=index, kv=kv)
     check = 3 * kv.page_size + kv.page_size // 2  # a real sequence: first page fp, sealed q pages, open page
     c = make_cache(model, kv, pool=index.pool)
+    for x in c:
+        x.for_batch()  # as the scheduler runs its sequences (16-bit open pages, no float window)
     model(mx.array([list(range(1000, 1000 + check))]), cache=c)
     mx.eval([x.state for x in c])
     measured, predicted = index.pool.nbytes, eng._seq_bytes(check)
