@@ -420,7 +420,8 @@ class Engine:
             if len(self.running) >= self.max_batch:
                 return
             r.caches = self.make_cache()
-            self._without_window(r.caches)
+            if self.running or len(self.queue) > 1:
+                self._batched(r.caches)
             seq = r.caches[0].seq
             self.pool = seq.pool
             reused = self.index.extend(seq, r.feed, limit=len(r.feed) - 1) if self.index is not None else 0
@@ -442,6 +443,8 @@ class Engine:
                 r.restored_tokens += reused  # pages checkpointed at preemption, attached again
             r.state = RUNNING
             self.running.append(r)
+            if len(self.running) == 2:  # the lone sequence has company from now on
+                self._batched(self.running[0].caches)
 
     def _leader(self, r: Request, reused: int) -> Optional[Request]:
         """A running request still computing a full page r shares beyond what r could attach."""
@@ -504,30 +507,40 @@ class Engine:
     def used_bytes(self) -> int:
         """Bytes of every page in the pool (running sequences' and cached prefixes') plus the stacked copies
         of sealed pages decode keeps between steps: batched decode's, and each sequence's own decode memo
-        (kvexec/decode.py, filled while it decodes alone). Sequences here keep no float-window copies."""
+        (kvexec/decode.py, filled while it decodes alone), and a lone sequence's float-window copies."""
         from .kvexec.batch import memo_nbytes
 
         pool = self.pool.nbytes if self.pool is not None else 0
-        return pool + memo_nbytes(self._stacks) + sum(c.memo.nbytes for c in self._memo_caches())
+        solo = sum(c.window_nbytes for c in self._solo_caches())
+        return pool + memo_nbytes(self._stacks) + sum(c.memo.nbytes for c in self._memo_caches()) + solo
 
     def _memo_caches(self):
         """Running sequences' layer caches that hold a decode memo."""
         return [c for r in self.running if r.caches for c in r.caches if getattr(c, "memo", None) and c.memo.runs]
 
-    def _drop_copies(self):
-        """Free every stacked copy of sealed pages (a speed cache: the next decode step rebuilds what it reads)."""
+    def _solo_caches(self):
+        """Layer caches of a lone running sequence still in single-sequence mode (float window, float32 open page)."""
+        return [c for r in self.running if r.caches for c in r.caches if getattr(c, "batched", True) is False]
+
+    def _drop_copies(self, need: int = 0):
+        """Free what is only a speed cache, cheapest to rebuild first: stacked sealed pages and decode memos
+        (the next step rebuilds what it reads); then, if `need` more bytes still pass the budget, a lone
+        sequence's float window (it runs batched from here on)."""
         self._stacks.clear()
         for c in self._memo_caches():
             c.drop_memo()
+        if self.budget_bytes is not None and self.used_bytes() + need > self.budget_bytes:
+            self._batched(self._solo_caches())
 
     @staticmethod
-    def _without_window(caches):
-        """Batched sequences run without the float window (kvexec/cache.py): its copies and their reads cost
-        ~14 MB of peak per sequence (bench batch); and their open pages stay 16-bit (capacity: for_batch)."""
+    def _batched(caches):
+        """Switch caches to batched serving (kvexec/cache.py for_batch): no float window, whose copies and reads
+        cost ~14 MB of peak per sequence (bench batch), and 16-bit open pages (capacity). A request admitted
+        alone keeps single-sequence mode, as fast as `justfit chat`'s path, until a second one runs beside it."""
         from .kvexec import PagedKVCache
 
         for c in caches:
-            if isinstance(c, PagedKVCache):
+            if isinstance(c, PagedKVCache) and not c.batched:
                 c.for_batch()
 
     def _fits(self, need: int) -> bool:
@@ -537,7 +550,7 @@ class Engine:
             return True
         if self.used_bytes() + need <= self.budget_bytes:
             return True
-        self._drop_copies()  # stacked copies go first: one step rebuilds them
+        self._drop_copies(need)  # speed copies go first: one step rebuilds them
         if self.used_bytes() + need <= self.budget_bytes:
             return True
         if self.index is not None:  # cold cached prefixes go first

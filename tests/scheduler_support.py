@@ -5,9 +5,9 @@ import mlx.core as mx
 from justfit.kvexec import make_cache
 
 
-def greedy_alone(rt, ids, n):
+def greedy_alone(rt, ids, n, kv=None):
     """Greedy tokens of one sequence run by itself through mlx-lm's model call, one token per pass."""
-    c = make_cache(rt.model, rt.kv)
+    c = make_cache(rt.model, kv or rt.kv)
     logits = rt.model(mx.array(ids)[None], cache=c)[0, -1]
     out = []
     for _ in range(n):

@@ -177,6 +177,31 @@ def test_a_lone_decoder_runs_the_single_sequence_call(rt, monkeypatch):
     assert len(rows) == 1 and rows[0] > 1  # only the prefill went through the batched pass, no decode step
 
 
+def test_a_lone_request_keeps_single_sequence_mode_until_another_joins(rt):
+    """Admitted alone, a request keeps its float window and float32 open page (the single-sequence path, as
+    fast as chat's); once a second request runs beside it, both run batched (no window, 16-bit open pages:
+    what the capacity arithmetic counts), and each gives the tokens it gives alone."""
+    import mlx.core as mx
+
+    from justfit.kvexec import make_cache
+
+    kv = KVConfig(page_size=32, quantized_kv_start=32)  # 4-bit pages from the second page on
+    eng = Engine(rt.model, rt.tokenizer, lambda: make_cache(rt.model, kv), kv=kv)
+    ids = [rt.encode(_unique(f"Lighthouse keeper's note {i}: the lamp was trimmed, the fog came in. " * 2))
+           for i in range(2)]
+    a = eng.submit(ids[0], max_tokens=12)
+    while len(a.out) < 4:
+        eng.step()
+    assert not any(c.batched for c in a.caches) and any(c.recent for c in a.caches)
+    assert a.caches[0].open_dtype == mx.float32
+    b = eng.submit(ids[1], max_tokens=6)
+    while b.caches is None:  # (a pass queued ahead runs first)
+        eng.step()
+    both = a.caches + b.caches
+    assert all(c.batched and not c.recent for c in both) and {c.open_dtype.size for c in both} == {2}
+    assert [r.result().tokens for r in (a, b)] == [greedy_alone(rt, ids[0], 12, kv), greedy_alone(rt, ids[1], 6, kv)]
+
+
 def test_stacked_pages_count_in_the_budget(rt):
     """Batched decode keeps stacked copies of sealed pages between steps; they count in used_bytes, and
     under a budget that holds the pages but not the copies none are kept, with the same tokens."""
@@ -210,10 +235,15 @@ def _lone_memo_bytes(reqs):
     return sum(c.memo.nbytes for r in reqs if r.caches for c in r.caches)
 
 
+def _window_bytes(reqs):
+    """Bytes of the float-window copies the requests' caches hold (a request admitted alone keeps them)."""
+    return sum(c.window_nbytes for r in reqs if r.caches for c in r.caches)
+
+
 def test_a_lone_decoders_memo_counts_in_the_budget_and_goes_first(rt):
-    """A request decoding alone reads its sealed 4-bit pages through its caches' decode memo: the copies count
-    in used_bytes, and under a budget that holds the pages but not the copies they are dropped after each
-    step (never kept over the budget), with the same tokens."""
+    """A request decoding alone reads its sealed 4-bit pages through its caches' decode memo and its float
+    window: the copies count in used_bytes, and under a budget that holds the pages but not the copies they
+    are dropped (never kept over the budget), with the same tokens."""
     from justfit.kvexec import make_cache
 
     kv = KVConfig(page_size=32, quantized_kv_start=32)  # 4-bit pages from the second page on
@@ -222,21 +252,23 @@ def test_a_lone_decoders_memo_counts_in_the_budget_and_goes_first(rt):
     def run(budget):
         eng = Engine(rt.model, rt.tokenizer, lambda: make_cache(rt.model, kv), kv=kv, budget_bytes=budget)
         r = eng.submit(ids, max_tokens=8)
-        held, pool = 0, 0
+        held, pool, kept = 0, 0, 0
         while not r.done:
             eng.step()
-            memo = _lone_memo_bytes([r])
-            held, pool = max(held, memo), max(pool, eng.pool.nbytes if r.caches else 0)
+            memo, window = _lone_memo_bytes([r]), _window_bytes([r])
+            held, pool, kept = max(held, memo), max(pool, eng.pool.nbytes if r.caches else 0), max(kept, window)
             if r.caches:
-                assert eng.used_bytes() == eng.pool.nbytes + memo
+                assert eng.used_bytes() == eng.pool.nbytes + memo + window
             if budget is not None:
                 assert eng.used_bytes() <= budget
-        return r.result().tokens, held, pool
+        return r.result().tokens, held, pool, kept
 
-    ref, held, pool = run(None)
-    assert held > 0  # the mechanism ran: sealed 4-bit pages stacked for decode
-    got, kept, _ = run(pool + held // 2)  # the pages fit, their copies do not
-    assert got == ref and kept < held
+    ref, held, pool, window = run(None)
+    assert held > 0 and window > 0  # the mechanism ran: sealed 4-bit pages stacked for decode, float copies kept
+    got, kept, _, still = run(pool + window + held // 2)  # the pages and the window fit, the memo does not
+    assert got == ref and kept < held and still == window
+    got, _, _, still = run(pool + window // 2)  # not even the window: the lone request runs batched
+    assert len(got) == 8 and still < window
 
 
 def test_decode_steps_are_queued_ahead_and_a_cancel_in_between_is_exact(rt):

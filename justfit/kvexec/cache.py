@@ -192,10 +192,12 @@ class PagedKVCache(_BaseCache):
         self.windowed = self.windowed and keep
 
     def for_batch(self):
-        """Batched serving (the scheduler), before the first write: no float window, and open pages in the
-        16-bit storage dtype, so a sequence holds what scheduler_memory.KVBytes counts (a float32 open page is
-        ~6 MB more a sequence on the default model: 12 instead of 14 4k-token sequences in 512 MiB)."""
+        """Batched serving (the scheduler): no float window, and open pages in the 16-bit storage dtype, so a
+        sequence holds what scheduler_memory.KVBytes counts (a float32 open page is ~6 MB more a sequence on
+        the default model: 12 instead of 14 4k-token sequences in 512 MiB). Mid-sequence too: the copies and
+        the memo that stacked them go now, and the open page is cast once at its next write."""
         self.drop_window(keep=False)
+        self.drop_memo()
         self.batched = True
         if self.dtype is not None:
             self.open_dtype = storage_dtype(self.kv, self.dtype)
