@@ -102,7 +102,7 @@ def test_rows_never_read_other_sequences_pages(rt, kv):
         assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[2], b[2])
 
 
-def _filled_cache(kv, n_tokens, H=3, D=64, seed=0, pool=None):
+def _filled_cache(kv, n_tokens, H=3, D=64, seed=0, pool=None, batched=False):
     """A one-layer paged cache holding n_tokens random keys/values written in uneven pieces."""
     from justfit.kvexec.cache import PagedKVCache
     from justfit.kvexec.pages import Sequence
@@ -110,6 +110,8 @@ def _filled_cache(kv, n_tokens, H=3, D=64, seed=0, pool=None):
     mx.random.seed(seed)
     pool = pool or PagePool(1, kv.page_size)
     c = PagedKVCache(Sequence(pool), 0, kv)
+    if batched:
+        c.for_batch()
     done = 0
     for piece in (5, 40, 1, 100, 7, 300):
         n = min(piece, n_tokens - done)
@@ -146,6 +148,34 @@ def test_decode_batch_matches_single_sequence_attention(kv, merge, monkeypatch):
     assert sorted(set(used)) == ([0, 1, 2] if merge == "streams" else [])
     for i, ref in enumerate(refs):
         assert mx.allclose(got[i], ref, atol=2e-5, rtol=1e-4), (kv.name, lengths[i])
+
+
+@pytest.mark.parametrize("kv", CONFIGS, ids=lambda k: k.name)
+def test_batched_open_pages_are_read_whole_and_masked(kv, monkeypatch):
+    """Batched sequences (for_batch: no float window) read their open pages stacked whole, the slots past
+    each page's count masked; poisoned slots there never reach the output."""
+    from justfit.kvexec import batch
+
+    pool = PagePool(1, kv.page_size)
+    lengths = [1, 33, 150, 453]  # every one ends inside an open page
+    caches = [_filled_cache(kv, n, seed=i, pool=pool, batched=True) for i, n in enumerate(lengths)]
+    for c in caches:  # undefined slots past the count: NaN
+        pid = c.seq.table[-1]
+        page = pool.get(0, pid)
+        n = c.offset - (len(c.seq.table) - 1) * kv.page_size
+        k, v = (x[0] for x in page.parts())
+        hole = (mx.arange(k.shape[1]) >= n)[None, :, None]
+        pool.put(0, pid, Page(page.kind, (mx.where(hole, float("nan"), k).astype(k.dtype),),
+                              (mx.where(hole, float("nan"), v).astype(v.dtype),)))
+    q = mx.random.normal((len(lengths), 9, 64))
+    refs = [paged_attention(q[i][None, :, None], c, 0.125)[0, :, 0] for i, c in enumerate(caches)]
+    calls = []
+    real = batch._open_run
+    monkeypatch.setattr(batch, "_open_run", lambda *a: calls.append(1) or real(*a))
+    got = _decode_batch(q, caches, 0.125)
+    assert calls  # the whole-page path ran
+    for i, ref in enumerate(refs):
+        assert not bool(mx.isnan(got[i]).any()) and mx.allclose(got[i], ref, atol=2e-5, rtol=1e-4), (kv.name, lengths[i])
 
 
 @pytest.mark.parametrize("kv", CONFIGS[:2], ids=lambda k: k.name)

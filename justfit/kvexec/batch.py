@@ -137,23 +137,24 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
         if id(ck) not in prepared:
             prepared[id(ck)] = ck.prepare(qf)
         s = ck.scores(prepared[id(ck)], kparts).astype(mx.float32)  # [B*H, rep, T]: whole pages, whole groups
-        return mx.where(valid, s, -float("inf"))
+        return s if valid is None else mx.where(valid, s, -float("inf"))
 
     def state(part):
-        if fits_one_softmax(B * Hq * sum(r[-1].shape[-1] for r in part)):
-            return softmax.whole([scores(ck, k, ok) for ck, _, k, _, ok in part], [(cv, v) for _, cv, _, v, _ in part])
+        if fits_one_softmax(B * Hq * sum(r[-1] for r in part)):
+            return softmax.whole([scores(ck, k, ok) for ck, _, k, _, ok, _ in part], [(r[1], r[3]) for r in part])
         fold = softmax.Online(mx.full((B * H, Hq // H, 1), -float("inf")), mx.zeros((B * H, Hq // H, 1)))
-        for ck, cv, kparts, vparts, valid in part:
+        for ck, cv, kparts, vparts, valid, _ in part:
             fold.fold(scores(ck, kparts, valid), cv, vparts)
         return fold
 
-    parts = streams.balanced(runs, [r[-1].shape[-1] for r in runs], n_parts)
+    parts = streams.balanced(runs, [r[-1] for r in runs], n_parts)
     return streams.merged(parts, lambda _, part: state(part)).result(shape).reshape(B, Hq, -1)
 
 
 def _key_runs(caches, memo: Optional[dict], run_pages: int):
-    """(key codec, value codec, stacked key parts, stacked value parts, valid [B*H, 1, T]) per run of at
-    most run_pages pages of one kind; sealed kinds come from `memo` when one is given."""
+    """(key codec, value codec, stacked key parts, stacked value parts, valid [B*H, 1, T] or None when every
+    key is valid, T) per run of at most run_pages pages of one kind; sealed kinds come from `memo` when one
+    is given."""
     c0, P = caches[0], caches[0].seq.page_size
     split = [_split_pages(c) for c in caches]
     for g, kind in enumerate(GROUPS):
@@ -162,10 +163,12 @@ def _key_runs(caches, memo: Optional[dict], run_pages: int):
         ck, cv = c0.codecs if kind == QUANT else c0.full
         for p0 in range(0, most, run_pages):
             p1 = min(most, p0 + run_pages)
-            if memo is None or kind == OPEN:
-                yield (ck, cv, *_stack_run(lists, p0, p1, P, (ck, cv)))
+            if kind == OPEN and p1 == 1 and _whole_open(lists, P):
+                yield (ck, cv, *_open_run(lists, P), P)
+            elif memo is None or kind == OPEN:
+                yield (ck, cv, *_stack_run(lists, p0, p1, P, (ck, cv)), (p1 - p0) * P)
             else:
-                yield (ck, cv, *_memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P, (ck, cv)))
+                yield (ck, cv, *_memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P, (ck, cv)), (p1 - p0) * P)
 
 
 def memo_nbytes(memo: Optional[dict]) -> int:
@@ -191,7 +194,8 @@ def _memo_run(memo: dict, slot: tuple, lists, p0: int, p1: int, P: int, codecs):
 
 def _stack_run(lists, p0: int, p1: int, P: int, codecs):
     """Pages p0..p1 of each sequence's list (partial pages cut by their codec), zero-padded to one length
-    and stacked [B*H, T, ...]; `valid` [B*H, 1, T] masks the padding. Only a row's own pages are read."""
+    and stacked [B*H, T, ...]; `valid` [B*H, 1, T] masks the padding (None: no padding). Only a row's own
+    pages are read."""
     T = (p1 - p0) * P
     template = next(x[p0][1].parts() for x in lists if len(x) > p0)
     ks, vs, counts = [], [], []
@@ -205,9 +209,30 @@ def _stack_run(lists, p0: int, p1: int, P: int, codecs):
     H = template[0][0].shape[0]
     kparts = tuple(mx.stack(col).reshape(-1, *col[0].shape[1:]) for col in zip(*ks))
     vparts = tuple(mx.stack(col).reshape(-1, *col[0].shape[1:]) for col in zip(*vs))
+    if all(c == T for c in counts):  # every row's run is whole: nothing to mask
+        return kparts, vparts, None
     valid = mx.arange(T)[None] < mx.array(counts)[:, None]
     valid = mx.broadcast_to(valid[:, None, None, :], (len(lists), H, 1, T))
     return kparts, vparts, valid.reshape(len(lists) * H, 1, T)
+
+
+def _whole_open(lists, P: int) -> bool:
+    """True when every sequence reads exactly one open page, a whole [H, P, D] buffer (batched sequences: no
+    float-window copies beside it)."""
+    return all(len(x) == 1 and x[0][1].kind == OPEN and x[0][1].parts()[0][0].shape[1] == P for x in lists)
+
+
+def _open_run(lists, P: int):
+    """The sequences' open pages stacked whole, [B*H, P, D], with slots past each page's count masked out of
+    the scores and zeroed in the values (they are undefined): 3 ops a side instead of a cut and a pad per
+    sequence (at c=4 ~15 fewer ops a layer)."""
+    counts = mx.array([x[0][0] for x in lists])
+    k = mx.stack([x[0][1].parts()[0][0] for x in lists])
+    v = mx.stack([x[0][1].parts()[1][0] for x in lists])
+    B, H = k.shape[:2]
+    valid = mx.broadcast_to((mx.arange(P)[None] < counts[:, None])[:, None, None, :], (B, H, 1, P)).reshape(B * H, 1, P)
+    v = mx.where(valid.swapaxes(-1, -2), v.reshape(B * H, P, -1), 0)
+    return (k.reshape(B * H, P, -1),), (v,), valid
 
 
 def _cat(parts_list, template, n: int, T: int):
