@@ -5,7 +5,8 @@ shapes only, nothing is computed), so every KV format, key format and key width 
 kvexec stores it. A sequence's pages: sealed pages before quantized_kv_start stay full precision, later
 sealed pages are quantized, and the open last page is a full-precision buffer of a whole page (16-bit like
 the sealed ones: the scheduler's caches run `for_batch`, kvexec/cache.py, from the moment two run; a request
-alone keeps a float32 open page and a float window, which the budget sees in the pool and drops first).
+alone keeps a float32 open page (in the pool's bytes) and a float window (counted by Engine.used_bytes): speed
+copies the budget drops first).
 """
 
 
