@@ -420,8 +420,6 @@ class Engine:
             if len(self.running) >= self.max_batch:
                 return
             r.caches = self.make_cache()
-            if self.running or len(self.queue) > 1:
-                self._batched(r.caches)
             seq = r.caches[0].seq
             self.pool = seq.pool
             reused = self.index.extend(seq, r.feed, limit=len(r.feed) - 1) if self.index is not None else 0
@@ -443,8 +441,8 @@ class Engine:
                 r.restored_tokens += reused  # pages checkpointed at preemption, attached again
             r.state = RUNNING
             self.running.append(r)
-            if len(self.running) == 2:  # the lone sequence has company from now on
-                self._batched(self.running[0].caches)
+            if len(self.running) > 1 or self.queue:  # company now, or waiting: every running sequence is batched
+                self._batched([c for x in self.running for c in x.caches])
 
     def _leader(self, r: Request, reused: int) -> Optional[Request]:
         """A running request still computing a full page r shares beyond what r could attach."""
