@@ -75,6 +75,9 @@ class PagedKVCache(_BaseCache):
         self.seq.reserve(start + L)  # atomic across layers: raises before anything changes
         self._forget(start // self.seq.page_size - self.kv.float_pages)
         pos, P = start, self.seq.page_size
+        if start // P == (start + L - 1) // P:  # one page: the whole input, no slicing (a decode token)
+            self._write(start // P, start % P, keys.reshape(H, L, D), values.reshape(H, L, values.shape[-1]))
+            pos = start + L
         while pos < start + L:
             index, off = divmod(pos, P)
             n = min(P - off, start + L - pos)
