@@ -64,19 +64,17 @@ class BatchLayer:
         return self.plan.positions  # one RoPE position per row
 
     def update_and_fetch(self, keys, values):
-        r, cast = 0, {}
+        r, rows = 0, {}
         for caches, n in self.plan.segments:
-            dtype = caches[self.layer].open_dtype
-            if n == 1 and dtype is not None:  # a decode row [1, H, 1, D], in the cache's layout, cast once a step
-                if dtype not in cast:  # into its open page's dtype (for all decode rows at once)
-                    cast[dtype] = keys.astype(dtype), values.astype(dtype)
-                k, v = (x[r : r + 1] for x in cast[dtype])
-            elif n == 1:
-                k, v = keys[r : r + 1], values[r : r + 1]
+            cache = caches[self.layer]
+            if n == 1:  # decode rows: cast into their open pages' dtype and split into [H, 1, D] once a step
+                dtype = cache.open_dtype or keys.dtype
+                if dtype not in rows:
+                    T, H, _, D = keys.shape
+                    rows[dtype] = [mx.split(x.astype(dtype).reshape(T * H, 1, -1), T) for x in (keys, values)]
+                cache.append(rows[dtype][0][r], rows[dtype][1][r])
             else:
-                k = keys[r : r + n, :, 0].transpose(1, 0, 2)[None]
-                v = values[r : r + n, :, 0].transpose(1, 0, 2)[None]
-            caches[self.layer].update_and_fetch(k, v)
+                cache.append(keys[r : r + n, :, 0].transpose(1, 0, 2), values[r : r + n, :, 0].transpose(1, 0, 2))
             r += n
         return BatchKV(self), BatchKV(self)
 

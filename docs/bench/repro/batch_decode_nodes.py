@@ -1,8 +1,8 @@
 """Graph nodes (MLX ops) of one batched decode step: B sequences of T tokens on the default model (4-bit pages,
 for_batch, as the scheduler runs them) vs mlx-lm's BatchKVCache, by primitive (mx.export_to_dot). On the
 2-core CPU an op costs ~5-10 us to dispatch, so at short contexts the count bounds the step as much as bytes.
-(session 13, B=4, T=600: 9,061 nodes before this session's changes, 7,861 after, mlx-lm 4,379; attention
-95 nodes a layer, KV writes 26 (56 before))
+(session 13, B=4, T=600: 9,061 nodes at the session's start, 7,501 after it, mlx-lm 4,379; attention 95 nodes a
+layer, KV writes 14 (56 at the start))
 
 Run: python docs/bench/repro/batch_decode_nodes.py 4 600
 """
