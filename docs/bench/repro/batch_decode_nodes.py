@@ -1,8 +1,8 @@
 """Graph nodes (MLX ops) of one batched decode step: B sequences of T tokens on the default model (4-bit pages,
 for_batch, as the scheduler runs them) vs mlx-lm's BatchKVCache, by primitive (mx.export_to_dot). On the
 2-core CPU an op costs ~5-10 us to dispatch, so at short contexts the count bounds the step as much as bytes.
-(session 13, B=4, T=600: 9,061 nodes at the session's start, 7,501 after it, mlx-lm 4,379; attention 95 nodes a
-layer, KV writes 14 (56 at the start))
+(session 13, B=4, T=600: 9,291 nodes, mlx-lm 4,379; attention 103 nodes a layer, KV writes 56. The changes that took
+the step to 7,501 nodes were reverted: see the session 13 note)
 
 Run: python docs/bench/repro/batch_decode_nodes.py 4 600
 """
@@ -59,4 +59,4 @@ lo = model(mx.array([[42]] * n_seqs), cache=theirs)
 print("mlx-lm step", count([lo] + [a for layer in theirs for a in layer.state if isinstance(a, mx.array)]))
 q = mx.random.normal((n_seqs, 9, 64))
 mx.eval(q, out, lo, [a for c in seqs for layer in c for a in layer.state])
-print("justfit attention, one layer", count([_decode_batch(q, [c[3] for c in seqs], 0.125, memo, {})]))
+print("justfit attention, one layer", count([_decode_batch(q, [c[3] for c in seqs], 0.125, memo)]))
