@@ -152,8 +152,9 @@ def test_decode_batch_matches_single_sequence_attention(kv, merge, monkeypatch):
 
 @pytest.mark.parametrize("kv", CONFIGS, ids=lambda k: k.name)
 def test_batched_open_pages_are_read_whole_and_masked(kv, monkeypatch):
-    """Batched sequences (for_batch: no float window) read their open pages stacked whole, the slots past
-    each page's count masked; poisoned slots there never reach the output."""
+    """Batched sequences (for_batch: no float window) read their open pages stacked, cut at the longest count
+    rounded up to whole OPEN_STEP slots, the slots past each page's count masked; poisoned slots there never
+    reach the output."""
     from justfit.kvexec import batch
 
     pool = PagePool(1, kv.page_size)
@@ -172,8 +173,11 @@ def test_batched_open_pages_are_read_whole_and_masked(kv, monkeypatch):
     calls = []
     real = batch._open_run
     monkeypatch.setattr(batch, "_open_run", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(batch, "OPEN_STEP", 8)  # pages of 32 here: the cut takes 24 slots for a longest count of 22
     got = _decode_batch(q, caches, 0.125)
     assert calls  # the whole-page path ran
+    longest = max(c.offset - (len(c.seq.table) - 1) * kv.page_size for c in caches)
+    assert longest <= kv.page_size - batch.OPEN_STEP  # the cut read fewer slots than a page (and masks the rest)
     for i, ref in enumerate(refs):
         assert not bool(mx.isnan(got[i]).any()) and mx.allclose(got[i], ref, atol=2e-5, rtol=1e-4), (kv.name, lengths[i])
 

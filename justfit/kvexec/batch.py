@@ -30,6 +30,7 @@ class BatchPlan:
     def __init__(self, segments: List[tuple], memo: Optional[dict] = None):
         self.segments = [(caches, n) for caches, n in segments if n > 0]
         self.memo = memo  # stacked sealed pages kept across steps by the caller (see _decode_batch)
+        self.masks: dict = {}  # the open pages' masks, the same in every layer of this step (_open_run)
         first = [c[0].offset for c, _ in self.segments]
         self.positions = mx.array([s + i for s, (_, n) in zip(first, self.segments) for i in range(n)])
         self.rows = sum(n for _, n in self.segments)
@@ -63,11 +64,17 @@ class BatchLayer:
         return self.plan.positions  # one RoPE position per row
 
     def update_and_fetch(self, keys, values):
-        r = 0
+        r, rows = 0, {}
         for caches, n in self.plan.segments:
-            k = keys[r : r + n, :, 0].transpose(1, 0, 2)[None]
-            v = values[r : r + n, :, 0].transpose(1, 0, 2)[None]
-            caches[self.layer].update_and_fetch(k, v)
+            cache = caches[self.layer]
+            if n == 1:  # decode rows: cast into their open pages' dtype and split into [H, 1, D] once a step
+                dtype = cache.open_dtype or keys.dtype
+                if dtype not in rows:
+                    T, H, _, D = keys.shape
+                    rows[dtype] = [mx.split(x.astype(dtype).reshape(T * H, 1, -1), T) for x in (keys, values)]
+                cache.append(rows[dtype][0][r], rows[dtype][1][r])
+            else:
+                cache.append(keys[r : r + n, :, 0].transpose(1, 0, 2), values[r : r + n, :, 0].transpose(1, 0, 2))
             r += n
         return BatchKV(self), BatchKV(self)
 
@@ -96,7 +103,7 @@ def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
         r += n
     if decode:
         rows = mx.array([r for _, r, _ in decode])
-        o = _decode_batch(queries[rows, :, 0], [c for _, _, c in decode], scale, layer.plan.memo)
+        o = _decode_batch(queries[rows, :, 0], [c for _, _, c in decode], scale, layer.plan.memo, layer.plan.masks)
         for j, (slot, _, _) in enumerate(decode):
             out[slot] = o[j][:, None][None]
     o = out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
@@ -104,6 +111,7 @@ def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
 
 
 GROUPS = (FULL, QUANT, OPEN)  # sealed float, sealed quantized, the page being filled
+OPEN_STEP = 32  # open pages are read in whole steps of this many slots (few distinct shapes, little waste)
 
 
 def _split_pages(cache: PagedKVCache):
@@ -116,12 +124,14 @@ def _split_pages(cache: PagedKVCache):
     return [out[g] for g in GROUPS]
 
 
-def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dict] = None):
+def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dict] = None,
+                  masks: Optional[dict] = None):
     """One query per sequence, q [B, Hq, D] -> [B, Hq, Dv]: pages of each kind stacked per key run (short
     sequences padded and masked), scored on their stored format, merged with a softmax over all runs when
     their scores fit one small block, else an online softmax run by run; a long batch's runs are split
     across parallel CPU streams (streams.py). Sealed pages never change, so with a `memo` their stacks are
-    reused while the batch's sealed pages stay the same (only the open pages are stacked every step)."""
+    reused while the batch's sealed pages stay the same (only the open pages are stacked every step); `masks`
+    keeps the open pages' masks for the step's other layers."""
     B, Hq, D = q.shape
     c0 = caches[0]
     H, P = c0.n_kv_heads, c0.seq.page_size
@@ -130,7 +140,7 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
     run_pages = max(1, RUN_ELEMENTS // (B * Hq * P))
     if n_parts > 1:  # runs short enough that every part gets some
         run_pages = min(run_pages, -(-max(c.seq.pages_for(c.offset) for c in caches) // n_parts))
-    runs = list(_key_runs(caches, memo, run_pages))
+    runs = list(_key_runs(caches, memo, run_pages, {} if masks is None else masks))
     prepared, shape = {}, (B * H, Hq // H, c0.value_dim)
 
     def scores(ck, kparts, valid):
@@ -147,11 +157,27 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
             fold.fold(scores(ck, kparts, valid), cv, vparts)
         return fold
 
+    if n_parts == 1 and fits_one_softmax(B * Hq * sum(r[-1] for r in runs)):
+        return _one_softmax([scores(ck, k, ok) for ck, _, k, _, ok, _ in runs], runs).reshape(B, Hq, -1)
     parts = streams.balanced(runs, [r[-1] for r in runs], n_parts)
     return streams.merged(parts, lambda _, part: state(part)).result(shape).reshape(B, Hq, -1)
 
 
-def _key_runs(caches, memo: Optional[dict], run_pages: int):
+def _one_softmax(scores, runs):
+    """sum_j softmax(scores)_j v_j over all runs in one mx.softmax, on fewer ops than softmax.whole (no -inf
+    guards: every row sees at least its own new key)."""
+    p = mx.softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1), axis=-1, precise=True)
+    if len(scores) > 1:  # copied once before it is sliced (fed as slices, the batch = alone test failed 4 of 5
+        p = mx.contiguous(p)  # file runs, 11 of 11 passed with the copy; no minimal repro: see the closing note)
+    o, t0 = None, 0
+    for s, (_, cv, _, vparts, _, _) in zip(scores, runs):
+        T = s.shape[-1]
+        x = cv.finish(cv.mix(p if len(scores) == 1 else p[..., t0 : t0 + T], vparts))
+        o, t0 = x if o is None else o + x, t0 + T
+    return o
+
+
+def _key_runs(caches, memo: Optional[dict], run_pages: int, masks: dict):
     """(key codec, value codec, stacked key parts, stacked value parts, valid [B*H, 1, T] or None when every
     key is valid, T) per run of at most run_pages pages of one kind; sealed kinds come from `memo` when one
     is given."""
@@ -164,7 +190,7 @@ def _key_runs(caches, memo: Optional[dict], run_pages: int):
         for p0 in range(0, most, run_pages):
             p1 = min(most, p0 + run_pages)
             if kind == OPEN and p1 == 1 and _whole_open(lists, P):
-                yield (ck, cv, *_open_run(lists, P), P)
+                yield (ck, cv, *_open_run(lists, P, masks))
             elif memo is None or kind == OPEN:
                 yield (ck, cv, *_stack_run(lists, p0, p1, P, (ck, cv)), (p1 - p0) * P)
             else:
@@ -226,16 +252,21 @@ def _whole_open(lists, P: int) -> bool:
     return all(len(x) == 1 and x[0][1].kind == OPEN and x[0][1].parts()[0][0].shape[1] == P for x in lists)
 
 
-def _open_run(lists, P: int):
-    """The sequences' open pages stacked whole, [B*H, P, D], with slots past each page's count masked out of
-    the scores and zeroed in the values (they are undefined): 3 ops a side instead of a cut and a pad per
-    sequence (at c=4 ~15 fewer ops a layer)."""
-    k = mx.stack([x[0][1].parts()[0][0] for x in lists])
-    v = mx.stack([x[0][1].parts()[1][0] for x in lists])
-    B, H = k.shape[:2]
-    valid = _valid([x[0][0] for x in lists], H, P)
-    v = mx.where(valid.swapaxes(-1, -2), v.reshape(B * H, P, -1), 0)
-    return (k.reshape(B * H, P, -1),), (v,), valid
+def _open_run(lists, P: int, masks: dict):
+    """The sequences' open pages stacked, [B*H, T, D], cut at the longest count rounded up to OPEN_STEP slots
+    (the stack, cast and scores grow with the tokens written, not the page size), with slots past each
+    page's count masked out of the scores and zeroed in the values (they are undefined); the masks are built
+    once a step (`masks`: every layer's open pages hold the same counts). Returns (keys, values, valid, T)."""
+    counts = tuple(x[0][0] for x in lists)
+    T = min(P, -(-max(counts) // OPEN_STEP) * OPEN_STEP)
+    k = mx.concatenate([x[0][1].parts()[0][0][:, :T] for x in lists])  # [B*H, T, D]
+    v = mx.concatenate([x[0][1].parts()[1][0][:, :T] for x in lists])
+    H = k.shape[0] // len(lists)
+    if (counts, H, T) not in masks:
+        valid = _valid(counts, H, T)
+        masks[counts, H, T] = valid, valid.swapaxes(-1, -2)
+    valid, rows = masks[counts, H, T]
+    return (k,), (mx.where(rows, v, 0),), valid, T
 
 
 def _cat(parts_list, template, n: int, T: int):

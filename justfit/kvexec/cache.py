@@ -69,6 +69,15 @@ class PagedKVCache(_BaseCache):
         B, H, L, D = keys.shape
         if B != 1:
             raise UserError("KVExec paged caches hold one sequence (batch size 1)")
+        self.append(keys.reshape(H, L, D), values.reshape(H, L, values.shape[-1]))
+        if self.dense:
+            return self.dense_kv()
+        return PagedKV(self, "k"), PagedKV(self, "v")
+
+    def append(self, keys, values):
+        """Write L new tokens' keys and values [H, L, D] into this layer's pages (update_and_fetch without its
+        handles: batched decode hands each row over split out of the step's K/V, with no op of its own)."""
+        H, L, D = keys.shape
         if self.codecs is None:
             self._setup(H, D, values.shape[-1], keys.dtype)
         start = self.offset
@@ -78,12 +87,12 @@ class PagedKVCache(_BaseCache):
         while pos < start + L:
             index, off = divmod(pos, P)
             n = min(P - off, start + L - pos)
-            self._write(index, off, keys[0, :, pos - start : pos - start + n], values[0, :, pos - start : pos - start + n])
+            if n == L:  # one page takes the whole input (a decode token): no slice
+                self._write(index, off, keys, values)
+            else:
+                self._write(index, off, keys[:, pos - start : pos - start + n], values[:, pos - start : pos - start + n])
             pos += n
         self.seq.lengths[self.layer] = start + L
-        if self.dense:
-            return self.dense_kv()
-        return PagedKV(self, "k"), PagedKV(self, "v")
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         window = window_size or self.window

@@ -1,8 +1,8 @@
 """Graph nodes (MLX ops) of one batched decode step: B sequences of T tokens on the default model (4-bit pages,
 for_batch, as the scheduler runs them) vs mlx-lm's BatchKVCache, by primitive (mx.export_to_dot). On the
 2-core CPU an op costs ~5-10 us to dispatch, so at short contexts the count bounds the step as much as bytes.
-(session 13, B=4, T=600: 9,291 nodes, mlx-lm 4,379; attention 103 nodes a layer, KV writes 56. The changes that took
-the step to 7,501 nodes were reverted: see the session 13 note)
+(B=4, T=600: 9,291 nodes on d069e98's code, 7,501 with 1970fa0/11c8bc3 (re-landed in session 14: their
+revert was a test's near-tie, not a hazard); mlx-lm 4,379. Attention 95 nodes a layer (two streams), KV writes 14.)
 
 Run: python docs/bench/repro/batch_decode_nodes.py 4 600
 """
