@@ -256,22 +256,30 @@ class Engine:
             if self.budget_bytes is not None and self.used_bytes() > self.budget_bytes:
                 self._drop_copies()  # its decode memo does not fit beside the pages: workspace of this step only
             return logits
-        return forward(self.model, BatchPlan([(r.caches, n) for r, n in plan], self._memo(plan)), ids)
+        return forward(self.model, BatchPlan([(r.caches, n) for r, n in plan], *self._memo(plan)), ids)
 
-    def _memo(self, plan: List[tuple]) -> Optional[dict]:
-        """The stacked sealed pages to keep between steps, or None (and none kept) when pages plus stacks
-        would pass the budget: the stacks are a speed cache, one more copy of the decoders' sealed pages (their
-        16-bit floats widened), each padded to the longest decoder's, so the budget counts them (see used_bytes)."""
+    def _memo(self, plan: List[tuple]) -> tuple:
+        """(the stacked sealed pages to keep between steps, or None and none kept; whether they may hold 4-bit
+        pages dequantized): the stacks are a speed cache, one more copy of the decoders' sealed pages, each
+        padded to the longest decoder's, so the budget counts them (see used_bytes). Float32 copies of every
+        sealed page (dequantized 4-bit ones: kvexec/batch.py DEQUANT_TOKENS) when the budget holds them, else
+        copies in the stored format (16-bit floats widened: at most 2x stored)."""
+        from .kvexec.batch import drop_decoded
+
         if self.budget_bytes is None or self.kv_bytes is None:
-            return self._stacks
+            return self._stacks, True
         P = self.kv.page_size
         decoders = [r for r, n in plan if n == 1]  # rows batched decode reads through the stacks
         longest = max(((r.cached + 1) // P * P for r in decoders), default=0)  # sealed pages during the pass
-        stacks = 2 * len(decoders) * self.kv_bytes.seq(longest)  # kept widened to float32: at most 2x stored
-        if self.pool.nbytes + stacks <= self.budget_bytes:
-            return self._stacks
+        floats = len(decoders) * (longest // P) * 2 * self.kv_bytes.open  # float32: twice a 16-bit page
+        stored = 2 * len(decoders) * self.kv_bytes.seq(longest)
+        if self.pool.nbytes + floats <= self.budget_bytes:
+            return self._stacks, True
+        if self.pool.nbytes + stored <= self.budget_bytes:
+            drop_decoded(self._stacks)  # float copies out now, before stored-format ones come in
+            return self._stacks, False
         self._drop_copies()
-        return None
+        return None, False
 
     def _publish_sealed(self, r: Request, before: int):
         """Index pages r sealed since it held `before` tokens, so followers attach them now."""

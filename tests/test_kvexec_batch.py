@@ -204,3 +204,69 @@ def test_memo_of_sealed_stacks_follows_the_batch(kv):
     other = _filled_cache(kv, caches[1].offset, seed=9, pool=pool)
     _poison([other])
     assert bool(mx.isnan(check([caches[0], other, caches[2]])[1]).any())
+
+
+def _forked(kv, prefix: int, tails, pool, shared=True):
+    """Sequences holding one prefix's pages (forked from it: the same page objects; else written again) and a
+    tail of their own each."""
+    from justfit.kvexec import fork_caches
+
+    base = _filled_cache(kv, prefix, seed=7, pool=pool, batched=True)
+    out = []
+    for i, n in enumerate(tails):
+        c = fork_caches([base])[0] if shared else _filled_cache(kv, prefix, seed=7, pool=pool, batched=True)
+        c.for_batch()
+        mx.random.seed(100 + i)
+        c.update_and_fetch(mx.random.normal((1, 3, n, 64)), mx.random.normal((1, 3, n, 64)))
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("kv", CONFIGS, ids=lambda k: k.name)
+def test_shared_prefix_pages_are_read_once_for_every_row(kv):
+    """Sealed pages every row shares (a common prefix) are kept once in the memo and scored for all rows in
+    one block: each row gets what it gets alone, and the memo holds less than for unshared copies."""
+    from justfit.kvexec.batch import memo_nbytes
+
+    pool = PagePool(1, kv.page_size)
+    tails = [5, 40, 70]  # the 96-token prefix's 3 pages are shared; the tails seal pages of their own
+    shared, copies = _forked(kv, 96, tails, pool), _forked(kv, 96, tails, pool, shared=False)
+    q = mx.random.normal((len(tails), 9, 64))
+    refs = [paged_attention(q[i][None, :, None], c, 0.125)[0, :, 0] for i, c in enumerate(shared)]
+    memo_shared, memo_copies = {}, {}
+    got = _decode_batch(q, shared, 0.125, memo_shared)
+    same = _decode_batch(q, copies, 0.125, memo_copies)
+    for i, ref in enumerate(refs):
+        assert mx.allclose(got[i], ref, atol=2e-5, rtol=1e-4), (kv.name, i)
+        assert mx.allclose(same[i], ref, atol=2e-5, rtol=1e-4), (kv.name, i)
+    assert memo_nbytes(memo_shared) < memo_nbytes(memo_copies)
+    mixed = [shared[0], copies[1], shared[2]]  # one row holds its own copy of the prefix now
+    fresh = {}
+    assert mx.allclose(_decode_batch(q, mixed, 0.125, memo_shared), _decode_batch(q, mixed, 0.125, fresh), atol=1e-5)
+    assert memo_nbytes(memo_shared) == memo_nbytes(fresh)  # no stale run of the old layout kept
+
+
+@pytest.mark.parametrize("kv", CONFIGS[1:], ids=lambda k: k.name)
+def test_memo_dequantizes_4bit_pages_within_its_cap(kv, monkeypatch):
+    """With room (DEQUANT_TOKENS), the memo keeps sealed 4-bit pages as float32 (read by BLAS, not MLX's CPU
+    quantized_matmul): the same output, more bytes; past the cap, or when the caller says no, they stay 4-bit,
+    and drop_decoded frees only the float copies."""
+    from justfit.kvexec import batch
+    from justfit.kvexec.batch import drop_decoded, memo_nbytes
+
+    pool = PagePool(1, kv.page_size)
+    caches = [_filled_cache(kv, n, seed=i, pool=pool, batched=True) for i, n in enumerate([70, 150, 453])]
+    q = mx.random.normal((3, 9, 64))
+    ref = _decode_batch(q, caches, 0.125)  # no memo: every page read in its stored format
+    sizes = {}
+    for name, dequant, cap in (("floats", True, batch.DEQUANT_TOKENS), ("refused", False, batch.DEQUANT_TOKENS),
+                               ("over the cap", True, 100)):
+        monkeypatch.setattr(batch, "DEQUANT_TOKENS", cap)
+        memo = {}
+        got = _decode_batch(q, caches, 0.125, memo, dequant=dequant)
+        assert mx.allclose(got, ref, atol=2e-5, rtol=1e-4), (kv.name, name)
+        sizes[name] = memo_nbytes(memo)
+        if name == "floats":
+            drop_decoded(memo)
+            assert 0 < memo_nbytes(memo) < sizes["floats"] or kv.quantized_kv_start == 0
+    assert sizes["refused"] == sizes["over the cap"] < sizes["floats"]

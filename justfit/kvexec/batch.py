@@ -27,9 +27,10 @@ from .pages import FULL, OPEN, QUANT
 class BatchPlan:
     """One step's rows: segments [(per-layer caches of one sequence, rows)], in row order."""
 
-    def __init__(self, segments: List[tuple], memo: Optional[dict] = None):
+    def __init__(self, segments: List[tuple], memo: Optional[dict] = None, dequant: bool = True):
         self.segments = [(caches, n) for caches, n in segments if n > 0]
         self.memo = memo  # stacked sealed pages kept across steps by the caller (see _decode_batch)
+        self.dequant = dequant  # whether the memo may hold sealed 4-bit pages dequantized (DEQUANT_TOKENS)
         self.masks: dict = {}  # the open pages' masks, the same in every layer of this step (_open_run)
         first = [c[0].offset for c, _ in self.segments]
         self.positions = mx.array([s + i for s, (_, n) in zip(first, self.segments) for i in range(n)])
@@ -103,7 +104,8 @@ def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
         r += n
     if decode:
         rows = mx.array([r for _, r, _ in decode])
-        o = _decode_batch(queries[rows, :, 0], [c for _, _, c in decode], scale, layer.plan.memo, layer.plan.masks)
+        plan = layer.plan
+        o = _decode_batch(queries[rows, :, 0], [c for _, _, c in decode], scale, plan.memo, plan.masks, plan.dequant)
         for j, (slot, _, _) in enumerate(decode):
             out[slot] = o[j][:, None][None]
     o = out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
@@ -112,6 +114,9 @@ def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
 
 GROUPS = (FULL, QUANT, OPEN)  # sealed float, sealed quantized, the page being filled
 OPEN_STEP = 32  # open pages are read in whole steps of this many slots (few distinct shapes, little waste)
+DEQUANT_TOKENS = 4096  # most sealed 4-bit tokens (all rows of a batch) a memo keeps dequantized to float32, per
+# layer: MLX's CPU quantized_matmul scores and mixes them ~5x slower than BLAS reads their float copy (c=4,
+# 256 tokens a row: ~0.9 vs ~0.2 ms a layer); default model: 46 KB a token over all layers, 188 MB at the cap
 
 
 def _split_pages(cache: PagedKVCache):
@@ -125,13 +130,14 @@ def _split_pages(cache: PagedKVCache):
 
 
 def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dict] = None,
-                  masks: Optional[dict] = None):
+                  masks: Optional[dict] = None, dequant: bool = True):
     """One query per sequence, q [B, Hq, D] -> [B, Hq, Dv]: pages of each kind stacked per key run (short
     sequences padded and masked), scored on their stored format, merged with a softmax over all runs when
     their scores fit one small block, else an online softmax run by run; a long batch's runs are split
     across parallel CPU streams (streams.py). Sealed pages never change, so with a `memo` their stacks are
-    reused while the batch's sealed pages stay the same (only the open pages are stacked every step); `masks`
-    keeps the open pages' masks for the step's other layers."""
+    reused while the batch's sealed pages stay the same (only the open pages are stacked every step), their
+    4-bit pages dequantized when `dequant` and they fit DEQUANT_TOKENS; `masks` keeps the open pages' masks
+    for the step's other layers."""
     B, Hq, D = q.shape
     c0 = caches[0]
     H, P = c0.n_kv_heads, c0.seq.page_size
@@ -140,7 +146,7 @@ def _decode_batch(q, caches: Seq[PagedKVCache], scale: float, memo: Optional[dic
     run_pages = max(1, RUN_ELEMENTS // (B * Hq * P))
     if n_parts > 1:  # runs short enough that every part gets some
         run_pages = min(run_pages, -(-max(c.seq.pages_for(c.offset) for c in caches) // n_parts))
-    runs = list(_key_runs(caches, memo, run_pages, {} if masks is None else masks))
+    runs = list(_key_runs(caches, memo, run_pages, {} if masks is None else masks, dequant))
     prepared, shape = {}, (B * H, Hq // H, c0.value_dim)
 
     def scores(ck, kparts, valid):
@@ -167,8 +173,6 @@ def _one_softmax(scores, runs):
     """sum_j softmax(scores)_j v_j over all runs in one mx.softmax, on fewer ops than softmax.whole (no -inf
     guards: every row sees at least its own new key)."""
     p = mx.softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1), axis=-1, precise=True)
-    if len(scores) > 1:  # copied once before it is sliced (fed as slices, the batch = alone test failed 4 of 5
-        p = mx.contiguous(p)  # file runs, 11 of 11 passed with the copy; no minimal repro: see the closing note)
     o, t0 = None, 0
     for s, (_, cv, _, vparts, _, _) in zip(scores, runs):
         T = s.shape[-1]
@@ -177,24 +181,36 @@ def _one_softmax(scores, runs):
     return o
 
 
-def _key_runs(caches, memo: Optional[dict], run_pages: int, masks: dict):
+def _key_runs(caches, memo: Optional[dict], run_pages: int, masks: dict, dequant: bool = True):
     """(key codec, value codec, stacked key parts, stacked value parts, valid [B*H, 1, T] or None when every
     key is valid, T) per run of at most run_pages pages of one kind; sealed kinds come from `memo` when one
-    is given."""
+    is given, 4-bit ones dequantized (read by the float codecs) when `dequant` and they fit DEQUANT_TOKENS."""
     c0, P = caches[0], caches[0].seq.page_size
     split = [_split_pages(c) for c in caches]
+    dequant = dequant and sum(n for s in split for n, _ in s[GROUPS.index(QUANT)]) <= DEQUANT_TOKENS
+    used = set()  # this layer's memo slots read this step (the others are stale: dropped at the end)
     for g, kind in enumerate(GROUPS):
         lists = [s[g] for s in split]
         most = max(len(x) for x in lists)
         ck, cv = c0.codecs if kind == QUANT else c0.full
-        for p0 in range(0, most, run_pages):
-            p1 = min(most, p0 + run_pages)
+        common = _common(lists, P) if memo is not None and kind != OPEN else 0  # pages every row shares
+        for p0, p1 in _bounds(0, common, run_pages) + _bounds(common, most, run_pages):
             if kind == OPEN and p1 == 1 and _whole_open(lists, P):
                 yield (ck, cv, *_open_run(lists, P, masks))
             elif memo is None or kind == OPEN:
                 yield (ck, cv, *_stack_run(lists, p0, p1, P, (ck, cv)), (p1 - p0) * P)
             else:
-                yield (ck, cv, *_memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P, (ck, cv)), (p1 - p0) * P)
+                floats = dequant and kind == QUANT
+                codecs = c0.full if floats else (ck, cv)
+                used.add((c0.layer, kind, p0))
+                if p1 <= common:  # one copy, scored once for every row
+                    run = _memo_run(memo, (c0.layer, kind, p0), lists[:1], p0, p1, P, (ck, cv), floats)
+                    yield (*(Shared(c, len(lists)) for c in codecs), *run, (p1 - p0) * P)
+                else:
+                    run = _memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P, (ck, cv), floats)
+                    yield (*codecs, *run, (p1 - p0) * P)
+    for slot in [s for s in memo or {} if s[0] == c0.layer and s not in used]:
+        del memo[slot]  # a run laid out differently now (the batch or its shared prefix changed)
 
 
 def memo_nbytes(memo: Optional[dict]) -> int:
@@ -204,16 +220,75 @@ def memo_nbytes(memo: Optional[dict]) -> int:
     return sum(a.nbytes for _, _, (k, v, _) in memo.values() for a in (*k, *v))
 
 
-def _memo_run(memo: dict, slot: tuple, lists, p0: int, p1: int, P: int, codecs):
+def _common(lists, P: int) -> int:
+    """How many leading pages every row of a batch of several holds in common (the same whole pages: a
+    shared prefix's)."""
+    if len(lists) < 2:
+        return 0
+    n = 0
+    for column in zip(*lists):
+        if any(c[1] is not column[0][1] or c[0] != P for c in column):
+            break
+        n += 1
+    return n
+
+
+def _bounds(start: int, stop: int, step: int) -> list:
+    """[(p0, p1)] runs of at most `step` pages covering start..stop."""
+    return [(p0, min(stop, p0 + step)) for p0 in range(start, stop, step)]
+
+
+class Shared:
+    """A codec reading one copy of pages every row of the batch shares: the B rows' queries of a kv head are
+    scored as one [B*rep, D] block against it ([H, B*rep, D] @ [H, D, T]), not against B stacked copies
+    (c=4: a 256-token float32 prefix page is 11.8 MB over the default model's layers, not 47 MB)."""
+
+    def __init__(self, codec, rows: int):
+        self.codec, self.rows = codec, rows
+
+    def _heads_first(self, x):
+        """[B*H, r, n] -> [H, B*r, n]."""
+        BH, r, n = x.shape
+        return x.reshape(self.rows, BH // self.rows, r, n).swapaxes(0, 1).reshape(BH // self.rows, self.rows * r, n)
+
+    def _rows_first(self, x):
+        """[H, B*r, n] -> [B*H, r, n]."""
+        H, Br, n = x.shape
+        return x.reshape(H, self.rows, Br // self.rows, n).swapaxes(0, 1).reshape(self.rows * H, Br // self.rows, n)
+
+    def prepare(self, q):
+        return self.codec.prepare(self._heads_first(q))
+
+    def scores(self, qc, parts):
+        return self._rows_first(self.codec.scores(qc, parts))
+
+    def mix(self, p, parts):
+        return self._rows_first(self.codec.mix(self._heads_first(p), parts))
+
+    def finish(self, o):
+        return self.codec.finish(o)
+
+
+def drop_decoded(memo: Optional[dict]):
+    """Free a memo's dequantized runs (a budget that holds stored-format copies but not float32 ones)."""
+    for slot in [slot for slot, (key, _, _) in (memo or {}).items() if key[0]]:
+        del memo[slot]
+
+
+def _memo_run(memo: dict, slot: tuple, lists, p0: int, p1: int, P: int, codecs, decoded: bool = False):
     """_stack_run of sealed pages with their 16-bit floats widened to float32 (what every read would cast
-    them to), reused from `memo` while every row's pages in the run are the same objects (the entry holds
-    them, so their ids cannot be reused meanwhile); one entry per slot."""
-    key = tuple(tuple((n, id(page)) for n, page in x[p0:p1]) for x in lists)
+    them to), or `decoded` to float32 keys and values (read as float pages), reused from `memo` while every
+    row's pages in the run are the same objects (the entry holds them, so their ids cannot be reused
+    meanwhile); one entry per slot."""
+    key = (decoded, tuple(tuple((n, id(page)) for n, page in x[p0:p1]) for x in lists))
     hit = memo.get(slot)
     if hit is not None and hit[0] == key:
         return hit[2]
     k, v, valid = _stack_run(lists, p0, p1, P, codecs)
-    run = codecs[0].widened(k, mx.float32), codecs[1].widened(v, mx.float32), valid  # cast once, not every step
+    if decoded:  # (zero padding decodes to zeros, masked like any padding)
+        run = (codecs[0].decode(k),), (codecs[1].decode(v),), valid
+    else:
+        run = codecs[0].widened(k, mx.float32), codecs[1].widened(v, mx.float32), valid  # cast once, not every step
     memo[slot] = (key, [x[p0:p1] for x in lists], run)
     return run
 
