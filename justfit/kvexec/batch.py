@@ -181,7 +181,7 @@ def _one_softmax(scores, runs):
     return o
 
 
-def _key_runs(caches, memo: Optional[dict], run_pages: int, masks: dict, dequant: bool = True):
+def _key_runs(caches, memo: Optional[dict], run_pages: int, masks: dict, dequant: bool):
     """(key codec, value codec, stacked key parts, stacked value parts, valid [B*H, 1, T] or None when every
     key is valid, T) per run of at most run_pages pages of one kind; sealed kinds come from `memo` when one
     is given, 4-bit ones dequantized (read by the float codecs) when `dequant` and they fit DEQUANT_TOKENS."""
@@ -200,15 +200,13 @@ def _key_runs(caches, memo: Optional[dict], run_pages: int, masks: dict, dequant
             elif memo is None or kind == OPEN:
                 yield (ck, cv, *_stack_run(lists, p0, p1, P, (ck, cv)), (p1 - p0) * P)
             else:
-                floats = dequant and kind == QUANT
+                floats, shared, slot = dequant and kind == QUANT, p1 <= common, (c0.layer, kind, p0)
                 codecs = c0.full if floats else (ck, cv)
-                used.add((c0.layer, kind, p0))
-                if p1 <= common:  # one copy, scored once for every row
-                    run = _memo_run(memo, (c0.layer, kind, p0), lists[:1], p0, p1, P, (ck, cv), floats)
-                    yield (*(Shared(c, len(lists)) for c in codecs), *run, (p1 - p0) * P)
-                else:
-                    run = _memo_run(memo, (c0.layer, kind, p0), lists, p0, p1, P, (ck, cv), floats)
-                    yield (*codecs, *run, (p1 - p0) * P)
+                if shared:  # one copy, scored once for every row
+                    codecs = tuple(Shared(c, len(lists)) for c in codecs)
+                used.add(slot)
+                run = _memo_run(memo, slot, lists[:1] if shared else lists, p0, p1, P, (ck, cv), floats)
+                yield (*codecs, *run, (p1 - p0) * P)
     for slot in [s for s in memo or {} if s[0] == c0.layer and s not in used]:
         del memo[slot]  # a run laid out differently now (the batch or its shared prefix changed)
 
