@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional
 from .errors import MemoryBudgetError, UserError
 from .generation import Sampling, StopText
 from .models.vocab import check_token_ids, vocab_size
+from .scheduler_chunks import ChunkSizer
 from .scheduler_memory import KVBytes
 from .statetrans.index import common_prefix
 from .turns import Chunk, Generation, Submitted, TurnStats
@@ -33,6 +34,7 @@ STEP_TOKENS = 512  # rows of one forward pass: decoders first, prefill chunks fi
 # p50/max s): none: 39.1, 0.40/3.92, 22.1/30.6; 64: 40.9, 0.55/1.40, 22.1/36.8; 128: 36.1, 0.87/1.27,
 # 19.0/31.4. 128 bounds the stall without costing prefill throughput; 64 shortens steps to ~0.55 s but
 # delays the last first token ~20%. Nobody decoding: all STEP_TOKENS prefill (a lone TTFT is unchanged).
+# This is the floor: a model whose steps cost much beside their rows gets more (scheduler_chunks.py).
 PREFILL_WITH_DECODE = 128
 MAX_BATCH = 64  # sequences running at once
 QUEUED, WAITING, RUNNING, DONE = "queued", "waiting", "running", "done"
@@ -78,15 +80,17 @@ class Engine:
     def __init__(self, model, tokenizer, make_cache: Callable[[], list], index=None, kv=None,
                  budget_bytes: Optional[int] = None, step_tokens: int = STEP_TOKENS, max_batch: int = MAX_BATCH,
                  context: Optional[int] = None, residency=None, eos: Optional[set] = None, drafter=None,
-                 gate=None, prefill_with_decode: int = PREFILL_WITH_DECODE):
+                 gate=None, prefill_with_decode: Optional[int] = None):
         self.model, self.tokenizer, self.make_cache, self.index = model, tokenizer, make_cache, index
         self.drafter, self.gate = drafter, gate  # a lone plain-greedy request decodes speculatively
         self.counts = {"draft_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0}
         self.kv, self.budget_bytes = kv, budget_bytes
         self.step_tokens, self.max_batch, self.residency = step_tokens, max_batch, residency
-        if prefill_with_decode < 1:
+        if prefill_with_decode is not None and prefill_with_decode < 1:
             raise UserError(f"prefill_with_decode must be >= 1 row, not {prefill_with_decode}")
-        self.prefill_with_decode = prefill_with_decode  # prefill rows of a step that also decodes
+        # prefill rows of a step that also decodes: as given, or at least PREFILL_WITH_DECODE and more on a model
+        # whose steps cost much beside their rows (scheduler_chunks.py)
+        self.chunks = ChunkSizer(prefill_with_decode or PREFILL_WITH_DECODE, step_tokens, prefill_with_decode is None)
         args = getattr(model, "args", None)
         self.context = context or getattr(args, "max_position_embeddings", None) or 1 << 20
         self.vocab = vocab_size(model)
@@ -158,7 +162,7 @@ class Engine:
     def step(self) -> int:
         """Admit, assemble and run one batched forward pass, sample, emit. Returns rows computed."""
         with self.lock:
-            lone, t0 = None, time.perf_counter()
+            lone, t0, waited = None, time.perf_counter(), False
             current = self._queued_pass()
             if current is None:
                 self._admit()
@@ -170,13 +174,15 @@ class Engine:
                     return 0
                 if self.residency is not None:
                     self.residency.enter("decode")
-                t0 = time.perf_counter()
+                t0, waited = time.perf_counter(), True  # built and computed in this call (not queued before)
                 current = self._run_pass(plan)
             plan, logits, greedy = current
             nxt = self._queue_next(plan, greedy)  # built while this pass computes
             greedy = greedy.tolist()
             self.steps += 1
             now = time.perf_counter()
+            if waited:
+                self.chunks.observe(sum(n for _, n in plan), now - t0)
             if lone is not None and self.gate is not None and plan == [(lone, 1)]:
                 self.gate.plain(now - t0)  # what a plain step costs, for the drafting gate
             for j, (r, n) in enumerate(plan):
@@ -471,7 +477,7 @@ class Engine:
             plan = [(r, 1) for r in self.running if _decoding(r)]
             budget = self.step_tokens - len(plan)
             if plan:
-                budget = min(budget, self.prefill_with_decode)
+                budget = min(budget, self.chunks.rows())
             for r in self.running:
                 left = len(r.feed) - r.cached
                 if left and budget > 0 and not _decoding(r):

@@ -332,3 +332,15 @@ def test_decode_steps_are_queued_ahead_and_a_cancel_in_between_is_exact(rt):
     for i in (0, 2):
         assert reqs[i].result().tokens == greedy_alone(rt, prompts[i], 12)
     assert index.sequence_refs() == 0
+
+
+def test_prefill_next_to_decoders_grows_only_from_measured_steps(rt):
+    fixed = _engine(rt, step_tokens=128, prefill_with_decode=8)
+    assert fixed.chunks.rows() == 8 and not fixed.chunks.adaptive  # a cap given is a cap kept
+    eng = _engine(rt, step_tokens=128)
+    assert eng.chunks.adaptive and eng.chunks.rows() == eng.chunks.floor  # nothing measured yet
+    reqs = [eng.submit(rt.encode(_unique(f"Prompt {i}: name a planet.")), max_tokens=4) for i in range(3)]
+    eng.run(reqs)
+    assert eng.chunks.samples  # the steps it waited for were measured
+    assert all(0 < rows <= 128 and seconds > 0 for rows, seconds in eng.chunks.samples)
+    assert eng.chunks.floor <= eng.chunks.rows() <= 128

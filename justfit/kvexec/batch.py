@@ -103,9 +103,11 @@ def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
             out.append(o[0].transpose(1, 0, 2)[:, :, None])
         r += n
     if decode:
-        rows = mx.array([r for _, r, _ in decode])
-        plan = layer.plan
-        o = _decode_batch(queries[rows, :, 0], [c for _, _, c in decode], scale, plan.memo, plan.masks, plan.dequant)
+        plan, every = layer.plan, len(decode) == len(out)  # every: a decode-only step, rows in order
+        q = queries[:, :, 0] if every else queries[mx.array([r for _, r, _ in decode]), :, 0]
+        o = _decode_batch(q, [c for _, _, c in decode], scale, plan.memo, plan.masks, plan.dequant)
+        if every:  # no gather of the rows' queries, no split and concatenation of their outputs
+            return o[:, :, None].astype(queries.dtype)
         for j, (slot, _, _) in enumerate(decode):
             out[slot] = o[j][:, None][None]
     o = out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
