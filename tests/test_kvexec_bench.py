@@ -107,3 +107,20 @@ def test_capacity_arithmetic_interpolates_a_growing_workspace():
     flat = bench_kv._with_workspace(kv, [1000, 900], (100, 200))
     assert flat(50) == flat(0) + 1000 == kv(0) + 2000
     assert bench_kv._longest(kv, kv(1234)) == 1234 and bench_kv._longest(kv, 199) == 0
+
+
+def test_capacity_below_the_probes_is_searched_on_measured_workspaces():
+    model = _tiny()
+    probe = (1024, 2048)
+    (wide,) = bench_kv.capacity_rows(model, ["mlx-lm-fp16"], [1 << 40], probe)
+    assert not wide["workspace_measured_in_search"]
+    budget = wide["workspace_bytes_at_probe"][0] // 2  # less than the first probe's workspace alone
+    (row,) = bench_kv.capacity_rows(model, ["mlx-lm-fp16"], [budget], probe)
+    n = row["capacity_positions"]
+    assert row["workspace_measured_in_search"] and 0 < n < probe[0]
+    make = bench_kv._factory("mlx-lm-fp16", model)
+    kv = lambda m: wide["kv_bytes_per_position"] * m + wide["kv_fixed_bytes"]  # noqa: E731
+    with bench_kv._Cut(model, 1):
+        assert kv(n) + bench_kv._workspace(model, make, n) <= budget
+        more = n + n // 8  # allocator rounding makes single positions non-monotonic; an eighth more does not fit
+        assert kv(more) + bench_kv._workspace(model, make, more) > budget

@@ -115,3 +115,23 @@ def test_a_kv_spill_frees_the_memo_and_decode_after_reload_is_unchanged(tmp_path
     assert cache.memo.nbytes == 0  # the stacks would otherwise keep the spilled pages in memory
     component.load()
     assert mx.array_equal(attention.paged_attention(q, cache, 0.125), before)
+
+
+def test_a_long_quantized_run_is_split_across_streams_and_regrouped_after_a_trim(monkeypatch):
+    from justfit.kvexec import streams
+
+    monkeypatch.setattr(streams, "MAX_PARTS", 2)
+    monkeypatch.setattr(streams, "SPLIT_ELEMENTS", 3 * 2 * H * P)  # two parts from 6 quantized pages on
+    k, v, q = _kvq(301)
+    cache = _cache()
+    cache.update_and_fetch(k[:, :, :300], v[:, :, :300])
+    cache.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
+    got = decode.attention(q, cache, 0.125)
+    np.testing.assert_allclose(np.array(got), np.array(_general(q, cache)), atol=2e-6, rtol=1e-5)
+    first, second = cache.memo.runs["q"][0], cache.memo.runs[("q", 1)][0]
+    assert len(first) + len(second) == 7 and abs(len(first) - len(second)) <= 1  # pages 1-7, balanced
+    cache.trim(141)  # back to 160 tokens: 4 quantized pages, one part (the trim cleared the split memo)
+    cache.update_and_fetch(k[:, :, 160:161], v[:, :, 160:161])
+    got = decode.attention(q, cache, 0.125)
+    np.testing.assert_allclose(np.array(got), np.array(_general(q, cache)), atol=2e-6, rtol=1e-5)
+    assert ("q", 1) not in cache.memo.runs and len(cache.memo.runs["q"][0]) == 4

@@ -8,7 +8,8 @@ order rotating from round to round; caches are built once per context, warm-up e
   and on the model cut to `--prefill-layers` layers above it (long-context time and peak memory);
 - `capacity`: longest context whose KV bytes (measured per page/position on a real cache) plus the
   attention workspace (prefill peak over KV of one layer whose output is evaluated, at two contexts,
-  extrapolated linearly) fit `budget_bytes`, found by binary search.
+  extrapolated linearly; measured at each step when the answer lies below them) fit `budget_bytes`,
+  found by binary search.
 Quality rows: kv_quality.py. One JSON object on stdout with --json (DESIGN.md section 6).
 """
 
@@ -203,38 +204,54 @@ def prefill_rows(model, systems, context: int, rounds: int, layers: Optional[int
 
 def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
     """Longest context per system whose KV (full model) + attention workspace fits each budget (binary search)."""
-    import mlx.core as mx
-
     n_layers = len(model.layers)
     rows = []
     for name in systems:
         make = _factory(name, model)
         with _Cut(model, 1):  # one layer: its KV bytes per position and its prefill workspace
-            work = []
-            for ctx in probe:
-                tokens = mx.random.randint(100, 40000, (ctx,), key=mx.random.key(ctx))
-                _, _, over, kv = _prefill_once(model, make, tokens, through=True)  # attention runs
-                work.append(max(0, over - kv))
-            kv_at = []
-            for ctx in probe:  # marginal bytes per position (a full-precision first page is a fixed cost)
-                caches = make()
-                _fill_synthetic(caches, model, ctx)
-                kv_at.append(_nbytes(caches))
-                del caches
+            work = [_workspace(model, make, ctx) for ctx in probe]
+            kv_at = [_kv_bytes(model, make, ctx) for ctx in probe]
             per_position = (kv_at[1] - kv_at[0]) / (probe[1] - probe[0])
             fixed = kv_at[0] - per_position * probe[0]
-        kv_need = _kv_need(n_layers, per_position, fixed)
-        need = _with_workspace(kv_need, work, probe)
-        for budget in budgets:
-            lo = _longest(need, budget)
-            rows.append({"kind": "capacity", "system": name, "budget_bytes": int(budget), "capacity_positions": lo,
-                         "kv_only_positions": _longest(kv_need, budget),
-                         "kv_bytes_per_position": n_layers * per_position, "kv_fixed_bytes": n_layers * fixed,
-                         "workspace_bytes_at_probe": work,
-                         "workspace_probe_contexts": list(probe),
-                         "positions_per_gib": lo * (1 << 30) / budget})
-            _log(f"kv: capacity {name} @ {budget / 2**20:.0f} MiB: {lo} positions")
+            kv_need = _kv_need(n_layers, per_position, fixed)
+            need = _with_workspace(kv_need, work, probe)
+            for budget in budgets:
+                lo, measured = _longest(need, budget), False
+                if lo < probe[0]:  # below the probes the workspace is not extrapolated: measure it at each step
+                    measure = _measured_need(model, make, kv_need)
+                    lo = _longest(measure, budget, hi=probe[0])
+                    measured = True
+                rows.append({"kind": "capacity", "system": name, "budget_bytes": int(budget), "capacity_positions": lo,
+                             "kv_only_positions": _longest(kv_need, budget),
+                             "kv_bytes_per_position": n_layers * per_position, "kv_fixed_bytes": n_layers * fixed,
+                             "workspace_bytes_at_probe": work,
+                             "workspace_probe_contexts": list(probe), "workspace_measured_in_search": measured,
+                             "positions_per_gib": lo * (1 << 30) / budget})
+                _log(f"kv: capacity {name} @ {budget / 2**20:.0f} MiB: {lo} positions")
     return rows
+
+
+def _measured_need(model, make, kv_need):
+    """KV bytes plus the workspace of a real one-layer prefill at n positions (within a one-layer cut)."""
+    return lambda n: kv_need(n) + _workspace(model, make, n)
+
+
+def _workspace(model, make, ctx: int) -> int:
+    """Prefill peak over start minus KV bytes of one real prefill of `ctx` random tokens, attention evaluated."""
+    import mlx.core as mx
+
+    if ctx <= 0:
+        return 0
+    tokens = mx.random.randint(100, 40000, (ctx,), key=mx.random.key(ctx))
+    _, _, over, kv = _prefill_once(model, make, tokens, through=True)
+    return max(0, over - kv)
+
+
+def _kv_bytes(model, make, ctx: int) -> int:
+    """Bytes of fresh caches filled with `ctx` synthetic positions."""
+    caches = make()
+    _fill_synthetic(caches, model, ctx)
+    return _nbytes(caches)
 
 
 def _kv_need(n_layers, per_position, fixed):
@@ -251,9 +268,9 @@ def _with_workspace(kv_need, work, probe):
     return lambda n: kv_need(n) + work[0] + slope * max(0, n - probe[0])
 
 
-def _longest(need, budget) -> int:
-    """The largest n (binary search up to 2^24) with need(n) <= budget; 0 when none fits."""
-    lo, hi = 0, 1 << 24
+def _longest(need, budget, hi: int = 1 << 24) -> int:
+    """The largest n (binary search up to `hi`) with need(n) <= budget; 0 when none fits."""
+    lo = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
@@ -328,7 +345,8 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
             "capacity": "kind=capacity: binary search for the longest context whose full-model KV bytes (measured per "
                         "position between the two probes on real caches, plus their fixed part) + prefill workspace (peak over start minus KV, one "
                         "layer whose hidden states are evaluated so its attention runs: the larger probe when bounded, else "
-                        "linear through both probes from the first on) fit budget_bytes; kv_only_positions: KV alone",
+                        "linear through both probes from the first on; below the first probe measured by a real prefill at each "
+                        "step of the search, workspace_measured_in_search) fit budget_bytes; kv_only_positions: KV alone",
             "quality": "see kv_quality.py: teacher-forced replay of fp16 greedy trajectories through each cache",
             "mlx-lm-fp16": "mlx-lm KVCache in the model's compute dtype (float32 on CPU)",
         },

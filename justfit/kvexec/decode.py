@@ -6,13 +6,16 @@ concatenates and widens every quantized page's parts again at every step and sco
 parallel streams past ~1k keys. Here a layer's sealed quantized pages are concatenated and their 16-bit
 scales widened once, when a page seals (`RunMemo`), and so are its sealed float pages (the first
 full-precision page and the float window's copy); the open page is the third run, one plain softmax
-over all. The memo is a second copy of at most `MEMO_TOKENS` quantized tokens and of the float window's
+over all. Past ~1.1k quantized keys the quantized run is cut in two, each half scored and mixed on its own
+CPU stream (streams.py) under the same softmax: MLX's CPU `quantized_matmul` is a one-thread kernel, and at
+2k tokens it is most of the step (docs/bench/repro/decode_2k_profile.py). The memo is a second copy of at most `MEMO_TOKENS` quantized tokens and of the float window's
 pages (default model at 2.5k tokens: 0.9 MB a layer), counted in the cache's `nbytes`; longer contexts take
 the general path, where reading bytes costs more than ops.
 """
 
 import mlx.core as mx
 
+from . import streams
 from .formats import concat_parts
 from .pages import FULL, OPEN, QUANT
 
@@ -32,7 +35,7 @@ class RunMemo:
         held = self.runs.get(kind)
         if held is None or len(held[0]) != len(pages) or any(a is not b for a, b in zip(pages, held[0])):
             parts = tuple(concat_parts([p.parts()[w] for p in pages]) for w in (0, 1))
-            if kind == QUANT:
+            if kind != FULL:  # a quantized run (QUANT, or (QUANT, i) for the i-th part of a split one)
                 parts = tuple(codec.widened(x, mx.float32) for codec, x in zip(codecs, parts))
             held = self.runs[kind] = (tuple(pages), parts)
         return held[1]
@@ -74,25 +77,38 @@ def attention(queries, cache, scale: float):
     q = queries.reshape(H, Hq // H, D).astype(mx.float32) * scale
     scores, values = [], []
     float_memo = len(sealed) <= cache.kv.quantized_kv_start // P + cache.kv.float_pages  # else bits=16: no copy
-    for kind, pages, (ck, cv) in ((QUANT, quant, cache.codecs), (FULL, sealed, cache.full)):
-        if pages:
-            if kind == QUANT or float_memo:
-                kparts, vparts = cache.memo.get(kind, pages, (ck, cv))
-            else:  # every page full precision (bits=16): read in place, never copied twice
-                kparts, vparts = (concat_parts([p.parts()[w] for p in pages]) for w in (0, 1))
+    for i, kind, pages, (ck, cv) in _runs(quant, sealed, Hq * P, cache):
+        if kind != FULL or float_memo:
+            kparts, vparts = cache.memo.get(kind, pages, (ck, cv))
+        else:  # every page full precision (bits=16): read in place, never copied twice
+            kparts, vparts = (concat_parts([p.parts()[w] for p in pages]) for w in (0, 1))
+        with streams.on(i):
             scores.append(ck.scores(ck.prepare(q), kparts).astype(mx.float32))
-            values.append((cv, vparts))
+        values.append((i, cv, vparts))
     if open_ is not None:
         n, page = open_
         fk, fv = cache.full
         k, v = (x[0][:, :n].astype(mx.float32) for x in page.parts())
         scores.append(fk.scores(q, (k,)))
-        values.append((fv, (v,)))
+        values.append((0, fv, (v,)))
     p = mx.softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1), axis=-1, precise=True)
     o, t0 = None, 0
-    for s, (cv, parts) in zip(scores, values):
+    for s, (i, cv, parts) in zip(scores, values):
         T = s.shape[-1]
-        x = cv.finish(cv.mix(p if len(scores) == 1 else p[..., t0 : t0 + T], parts))
+        with streams.on(i):
+            x = cv.finish(cv.mix(p if len(scores) == 1 else p[..., t0 : t0 + T], parts))
         o, t0 = x if o is None else o + x, t0 + T
     return o.reshape(1, Hq, 1, -1).astype(queries.dtype)
 
+
+def _runs(quant, sealed, elements_per_page: int, cache):
+    """(stream, memo key, pages, codecs) of each sealed run: the quantized pages cut into token-balanced
+    groups, one CPU stream each past streams.SPLIT_ELEMENTS of work a part, then the float pages. The parts
+    only get fewer after a trim, which clears the memo, so no stale part stays stacked."""
+    runs = []
+    if quant:
+        groups = streams.balanced(quant, [1] * len(quant), streams.parts(elements_per_page * len(quant)))
+        runs += [(i, QUANT if i == 0 else (QUANT, i), g, cache.codecs) for i, g in enumerate(groups)]
+    if sealed:
+        runs.append((0, FULL, sealed, cache.full))
+    return runs
