@@ -1,10 +1,11 @@
-"""Two levers for single-query decode at 1-2k tokens, A/B against kvexec/decode.py's memo path (not landed):
+"""Two levers for single-query decode at 1-2k tokens, A/B against kvexec/decode.py's memo path:
 `split`: the sealed 4-bit run cut in two, scored and mixed on two CPU streams (streams.py) under one softmax;
 `widen`: the float run (first page + window copy, 16-bit) widened to float32 once in the memo instead of every
 step; `both`. One cache per variant, filled alike; medians of 11 interleaved rounds over 30 layers, in ms.
 (session 15: 1k memo 26.5, split 25.0, widen 25.2, both 27.7, sdpa 20.1; 2k memo 43.4, split 41.4, widen 44.7,
 both 41.7, sdpa 36.5; a second run at 2k: memo 55.7, split 47.9, widen 54.5, both 47.1, sdpa 44.6. min-max spans
-10-35 ms; the split gained 4% and 14%: a candidate, not landed in session 15 for lack of time to yardstick it)
+10-35 ms; the split gained 4% and 14%. Session 16 landed the split in decode.py, so `memo` here now splits too:
+decode_split_ab.py compares it with one stream. `widen` at 512 in session 16: memo 15.6, widen 14.8, sdpa 12.7)
 
 Run: python docs/bench/repro/decode_levers_2k.py 1024,2048
 """
