@@ -8,9 +8,10 @@ scales widened once, when a page seals (`RunMemo`), and so are its sealed float 
 full-precision page and the float window's copy); the open page is the third run, one plain softmax
 over all. Past ~1.1k quantized keys the quantized run is cut in two, each half scored and mixed on its own
 CPU stream (streams.py) under the same softmax: MLX's CPU `quantized_matmul` is a one-thread kernel, and at
-2k tokens it is most of the step (docs/bench/repro/decode_2k_profile.py). The memo is a second copy of at most `MEMO_TOKENS` quantized tokens and of the float window's
-pages (default model at 2.5k tokens: 0.9 MB a layer), counted in the cache's `nbytes`; longer contexts take
-the general path, where reading bytes costs more than ops.
+2k tokens it is most of the step (docs/bench/repro/decode_2k_profile.py, decode_split_ab.py). The memo is
+a second copy of at most `MEMO_TOKENS` quantized tokens and of the float window's pages (default model at
+2.5k tokens: 0.9 MB a layer), counted in the cache's `nbytes`; longer contexts take the general path,
+where reading bytes costs more than ops.
 """
 
 import mlx.core as mx
