@@ -164,8 +164,7 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
         return sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     def forward(ids):
-        ids = ids if isinstance(ids, mx.array) else mx.array(ids)
-        return model(ids[None], cache=cache)[:, -1, :]
+        return model(mx.array(ids)[None], cache=cache)[:, -1, :]
 
     with mx.stream(generation_stream):
         # A short prompt (a chat turn on a cached history) goes through the full model in one pass: the
@@ -178,9 +177,6 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
         mx.eval(y)
         counts["reload_s"] += enter("decode", caches=cache)
         spec = sampling.plain_greedy and drafter is not None
-        if not spec and not processors and constraint is None:
-            yield from _pipelined(forward, choose, y, max_tokens, stop)
-            return
         if spec:
             drafter.reset(list(seen))
         n, force_plain, known = 0, False, False  # known: the pending token is already in drafter.hist
@@ -232,26 +228,6 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
                 gate.plain(time.perf_counter() - t0)
             if n % 256 == 0:
                 mx.clear_cache()
-
-
-def _pipelined(forward, choose, y, max_tokens: int, stop) -> Iterator[int]:
-    """Decode steps that need no token's value to build the next step (no drafter, processors or grammar),
-    as mlx-lm's generate_step: step n+1's graph, fed the still-lazy token n, is built and queued before
-    token n is read, so building a step (~7 ms on the default model) overlaps computing the last where the
-    model runs on a GPU (on a 2-core CPU the build and BLAS share the cores: no gain measured)."""
-    import mlx.core as mx
-
-    for n in range(max_tokens):
-        logits = forward(y.reshape(1))  # token n is fed before it is read: a stop id is fed too, as always
-        nxt = choose(logits) if n + 1 < max_tokens else logits
-        mx.async_eval(nxt)
-        tok = int(y.item())
-        yield tok
-        if tok in stop:
-            return
-        y = nxt
-        if (n + 1) % 256 == 0:
-            mx.clear_cache()
 
 
 def speculate(model, cache, tok: int, drafter, gate, room: int, stop, counts: dict, enter=_noop_enter):

@@ -141,26 +141,3 @@ def test_gate_switches_off_when_drafting_loses():
     for _ in range(3):
         g2.spec(0.15, 4, 4)  # five tokens per 0.15 s: faster
     assert g2.open() and g2.k == 8
-
-
-def test_pipelined_decode_matches_the_step_by_step_path():
-    """No drafter, processors or grammar: each step is queued before the last token is read (as mlx-lm's
-    generate_step). A no-op logits processor forces the step-by-step path; tokens (seeded sampling too) and
-    the cache contents, a stop id included, are the same."""
-    m = tiny_model(4)
-    noop = [lambda ctx, logits: logits]
-    for sampling in (dict(), dict(temperature=0.8, top_p=0.9, seed=7)):
-        got = {}
-        for name, procs in (("pipelined", ()), ("step-by-step", noop)):
-            cache = make_cache(m, KVConfig(bits=16, page_size=32))
-            mx.random.seed(7)
-            toks = list(token_steps(m, PROMPT, cache, Sampling(logits_processors=procs, **sampling), 30))
-            got[name] = (toks, cache[0].offset)
-        assert got["pipelined"] == got["step-by-step"]
-        assert got["pipelined"][1] == len(PROMPT) + 30
-    plain = got["pipelined"][0]
-    stop = plain[10]
-    cache = make_cache(m, KVConfig(bits=16, page_size=32))
-    mx.random.seed(7)
-    toks = list(token_steps(m, PROMPT, cache, Sampling(temperature=0.8, top_p=0.9, seed=7), 30, stop={stop}))
-    assert toks == plain[: plain.index(stop) + 1] and cache[0].offset == len(PROMPT) + len(toks)  # the stop id is fed
