@@ -102,6 +102,25 @@ def test_rows_never_read_other_sequences_pages(rt, kv):
         assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[2], b[2])
 
 
+@pytest.mark.parametrize("kv", CONFIGS[:2], ids=lambda k: k.name)
+def test_prompt_rows_skip_the_last_layer_and_match_a_full_pass(rt, kv):
+    """With prompt chunks in the step, forward runs the last layer's attention and MLP for the sampled rows
+    only (_sampled_hidden): the logits, and the pages it writes, are those of one plain pass over every row."""
+    model = rt.model
+    prompts = [rt.encode(p) for p in PROMPTS[:2]] + [rt.encode("Tell me more about the waves, please.")]
+    fast, full = ([make_cache(model, kv) for _ in prompts] for _ in range(2))
+    steps = [([0, 1], [prompts[0], prompts[1]]), ([0, 1, 2], [[11], [12], prompts[2]]), ([0, 1, 2], [[5], [6], [7]])]
+    for who, pieces in steps:  # two prompts; two decoders beside a prompt; decode only (reads what was written)
+        ids = [t for p in pieces for t in p]
+        plan = BatchPlan([(fast[i], len(p)) for i, p in zip(who, pieces)])
+        ref_plan = BatchPlan([(full[i], len(p)) for i, p in zip(who, pieces)])
+        got = forward(model, plan, ids)
+        ref = model(mx.array(ids)[:, None], cache=ref_plan.layers)[mx.array(ref_plan.last_rows()), -1]
+        assert got.shape == ref.shape
+        assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4), float(mx.abs(got - ref).max())
+    assert [c.offset for c in fast[2]] == [c.offset for c in full[2]]
+
+
 def _filled_cache(kv, n_tokens, H=3, D=64, seed=0, pool=None, batched=False):
     """A one-layer paged cache holding n_tokens random keys/values written in uneven pieces."""
     from justfit.kvexec.cache import PagedKVCache

@@ -27,16 +27,25 @@ from .pages import FULL, OPEN, QUANT
 class BatchPlan:
     """One step's rows: segments [(per-layer caches of one sequence, rows)], in row order."""
 
-    def __init__(self, segments: List[tuple], memo: Optional[dict] = None, dequant: bool = True):
+    def __init__(self, segments: List[tuple], memo: Optional[dict] = None, dequant: bool = True,
+                 sampled_only: bool = False):
         self.segments = [(caches, n) for caches, n in segments if n > 0]
         self.memo = memo  # stacked sealed pages kept across steps by the caller (see _decode_batch)
         self.dequant = dequant  # whether the memo may hold sealed 4-bit pages dequantized (DEQUANT_TOKENS)
         self.masks: dict = {}  # the open pages' masks, the same in every layer of this step (_open_run)
-        first = [c[0].offset for c, _ in self.segments]
-        self.positions = mx.array([s + i for s, (_, n) in zip(first, self.segments) for i in range(n)])
-        self.rows = sum(n for _, n in self.segments)
+        self.sampled_only = sampled_only  # rows: each segment's last, whose K/V a full plan already wrote
+        first = [c[0].offset - (n if sampled_only else 0) for c, n in self.segments]
+        width = [1 if sampled_only else n for _, n in self.segments]
+        self.positions = mx.array([s + n - w + i for s, (_, n), w in zip(first, self.segments, width)
+                                   for i in range(w)])
+        self.rows = sum(width)
         n_layers = len(self.segments[0][0]) if self.segments else 0
         self.layers = [BatchLayer(self, i) for i in range(n_layers)]
+
+    def sampled(self) -> "BatchPlan":
+        """This plan read-only and cut to its sampled rows (each segment's last), once this plan has written
+        the step's K/V: `forward` runs the last layer's attention and MLP through it (_sampled_hidden)."""
+        return BatchPlan(self.segments, self.memo, self.dequant, sampled_only=True)
 
     def last_rows(self) -> List[int]:
         """Row index of each segment's last token (where its next-token logits are)."""
@@ -57,14 +66,17 @@ class BatchKV:
 class BatchLayer:
     """One layer of a BatchPlan, speaking mlx-lm's cache protocol as far as the model needs it."""
 
-    def __init__(self, plan: BatchPlan, layer: int):
+    def __init__(self, plan: BatchPlan, layer: int, attend: bool = True):
         self.plan, self.layer = plan, layer
+        self.attend = attend  # False: the layer only writes K/V; its attention output is never computed
 
     @property
     def offset(self):
         return self.plan.positions  # one RoPE position per row
 
     def update_and_fetch(self, keys, values):
+        if self.plan.sampled_only:  # the full plan wrote these rows' K/V
+            return BatchKV(self), BatchKV(self)
         r, rows = 0, {}
         for caches, n in self.plan.segments:
             cache = caches[self.layer]
@@ -91,17 +103,20 @@ class BatchLayer:
 
 def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
     """queries [T, Hq, 1, D] (one row per token) -> [T, Hq, 1, Dv], each row over its own sequence's pages."""
+    if not layer.attend:
+        return queries  # a stand-in of the right shape for the model code; nothing evaluates it
     out, decode, r = [], [], 0
     for caches, n in layer.plan.segments:
         cache = caches[layer.layer]
+        w = 1 if layer.plan.sampled_only else n  # a prompt chunk's last row sees its whole chunk: no mask
         if n == 1 and cache.window is None and sinks is None and not cache.dense:
             decode.append((len(out), r, cache))
             out.append(None)
         else:
-            q = queries[r : r + n, :, 0].transpose(1, 0, 2)[None]
-            o = paged_attention(q, cache, scale, "causal" if n > 1 else None, sinks)
+            q = queries[r : r + w, :, 0].transpose(1, 0, 2)[None]
+            o = paged_attention(q, cache, scale, "causal" if w > 1 else None, sinks)
             out.append(o[0].transpose(1, 0, 2)[:, :, None])
-        r += n
+        r += w
     if decode:
         plan, every = layer.plan, len(decode) == len(out)  # every: a decode-only step, rows in order
         q = queries[:, :, 0] if every else queries[mx.array([r for _, r, _ in decode]), :, 0]
@@ -361,7 +376,7 @@ def forward(model, plan: BatchPlan, tokens: Seq[int]):
     rows = mx.array(plan.last_rows())
     inner, args = getattr(model, "model", None), getattr(model, "args", None)
     if inner is not None and type(model).__module__.rsplit(".", 1)[-1] in _HEAD_MODELS:
-        h = inner(inputs, cache=plan.layers)[rows]  # only the rows that are sampled reach the LM head
+        h = _sampled_hidden(inner, plan, inputs, rows)  # only the rows that are sampled reach the LM head
         if getattr(args, "tie_word_embeddings", False):
             return inner.embed_tokens.as_linear(h)[:, -1]
         return model.lm_head(h)[:, -1]
@@ -369,3 +384,18 @@ def forward(model, plan: BatchPlan, tokens: Seq[int]):
 
 
 _HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3")  # model(x) == head(model.model(x)), nothing else
+# and model.model(x) == norm(layers(embed_tokens(x))) with no mask (BatchLayer.make_mask) when unpipelined
+
+
+def _sampled_hidden(inner, plan: BatchPlan, inputs, rows):
+    """inner(inputs)[rows]. When the step has prompt rows, the last layer runs twice: over every row, only
+    writing K/V, then attention and MLP over the sampled rows alone; a prompt row's last-layer output is
+    never used (mlx-lm's prefill skips it by evaluating caches only), ~44% of a 2-layer wide model's FLOPs."""
+    layers = list(inner.layers)
+    if plan.rows == len(plan.segments) or getattr(inner, "pipeline_size", 1) != 1 or len(layers) != len(plan.layers):
+        return inner(inputs, cache=plan.layers)[rows]
+    h = inner.embed_tokens(inputs)
+    for layer, cache in zip(layers[:-1], plan.layers):
+        h = layer(h, None, cache)
+    layers[-1](h, None, BatchLayer(plan, len(layers) - 1, attend=False))  # every row's K/V into its pages
+    return inner.norm(layers[-1](h[rows], None, plan.sampled().layers[-1]))
