@@ -23,7 +23,7 @@ def tiny(monkeypatch, runtime16):
 
 
 def test_bench_batch_json(tiny, capsys):
-    bench_batch.batch(concurrency="1,3", prompt_tokens="40", shared=20, gen=3, rounds=2, budget="64MiB",
+    bench_batch.batch(concurrency="1,3", prompt_tokens="40", shared=256, gen=3, rounds=2, budget="64MiB",
                       capacity_tokens=1024, systems="justfit,mlx-lm-batch", model="tiny", wide=False, wide_layers=2,
                       json_out=True)
     out = json.loads(capsys.readouterr().out)
@@ -36,12 +36,27 @@ def test_bench_batch_json(tiny, capsys):
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and 0 < r["itl_p50_s"] <= r["itl_p99_s"]
     j3 = next(r for r in timing if r["system"] == "justfit" and r["concurrency"] == 3)
     assert j3["prefilled_tokens"] == 3 * 40  # no full page shared at this size: everything prefilled
-    cap = {r["system"]: r for r in out["rows"] if "capacity_positions" in r}
-    assert cap["justfit"]["capacity_positions"] > cap["mlx-lm-batch"]["capacity_positions"] > 0
-    assert "predicted" in out["notes"]["capacity"]
+    _check_capacity(out)
+
+
+def _check_capacity(out):
+    cap = {(r["system"], r["shared_prefix_tokens"]): r for r in out["rows"] if "capacity_positions" in r}
+    assert set(cap) == {(s, p) for s in bench_batch.SYSTEMS for p in (0, 256)}  # one 256-token page shared
+    assert cap["justfit", 0]["capacity_positions"] > cap["mlx-lm-batch", 0]["capacity_positions"] > 0
+    assert cap["justfit", 256]["concurrency"] > cap["justfit", 0]["concurrency"]  # the prefix's pages held once
+    assert cap["mlx-lm-batch", 256]["concurrency"] == cap["mlx-lm-batch", 0]["concurrency"]  # a cache per row
     predicted, measured = (int(out["notes"]["capacity"].split(w)[1].split(",")[0].split()[0])
                            for w in ("predicted ", "measured "))
-    assert predicted == measured  # the admission arithmetic is the pool's real size
+    assert predicted == measured  # the admission arithmetic is the pool's real size, shared pages counted once
+
+
+def test_bench_batch_rounds_0_gives_the_capacity_rows_only(tiny, capsys):
+    bench_batch.batch(concurrency="4", prompt_tokens="40", shared=256, gen=3, rounds=0, budget="64MiB",
+                      capacity_tokens=1024, systems="justfit,mlx-lm-batch", model="tiny", wide=False, wide_layers=2,
+                      json_out=True)
+    out = json.loads(capsys.readouterr().out)
+    assert all("capacity_positions" in r for r in out["rows"])
+    _check_capacity(out)
 
 
 def test_bench_batch_refuses_bad_options():

@@ -9,8 +9,8 @@ left-padded KVCache per row). Timing rows are medians over rounds with min and m
 `--wide` swaps the default model for a random-weight llama with a 7-8B model's attention shapes (hidden
 4096, 32 query heads, 8 KV heads, head_dim 128, FFN 14336) cut to `--wide-layers` layers, for long contexts.
 Capacity rows: how many concurrent sequences of `capacity_tokens` tokens (and how many cached positions)
-each system's KV layout holds under `budget` bytes; JustFit's arithmetic is checked against the pool bytes
-of a real sequence.
+each system's KV layout holds under `budget` bytes, unrelated and sharing the workload's prefix (whole pages
+of it); JustFit's arithmetic is checked against the pool bytes of real sequences forked from one prefix.
 """
 
 import json
@@ -101,24 +101,15 @@ def run_mlx_lm(model, prompts, gen):
     return row
 
 
-def capacity_rows(model, tokenizer, kv, home, budget, tokens):
-    """Concurrent `tokens`-token sequences and cached positions each KV layout holds under `budget` bytes."""
-    import mlx.core as mx
+def capacity_rows(model, kv, budget, tokens, shared):
+    """Concurrent `tokens`-token sequences and cached positions each KV layout holds under `budget` bytes, for
+    unrelated sequences and for sequences sharing a `shared`-token prefix (the batch workload's system prompt:
+    JustFit holds its sealed pages once; mlx-lm's BatchGenerator keeps a full cache per row)."""
+    from justfit.scheduler_memory import KVBytes
 
-    from justfit.kvexec import make_cache
-    from justfit.scheduler import Engine
-    from justfit.statetrans.index import make_index
-
-    index = make_index(model, tokenizer, kv, home)
-    eng = Engine(model, tokenizer, lambda: make_cache(model, kv, pool=index.pool), index=index, kv=kv)
-    check = 3 * kv.page_size + kv.page_size // 2  # a real sequence: first page fp, sealed q pages, open page
-    c = make_cache(model, kv, pool=index.pool)
-    for x in c:
-        x.for_batch()  # as the scheduler runs its sequences (16-bit open pages, no float window)
-    model(mx.array([list(range(1000, 1000 + check))]), cache=c)
-    mx.eval([x.state for x in c])
-    measured, predicted = index.pool.nbytes, eng._seq_bytes(check)
-    per_seq = eng._worst_bytes(tokens)
+    sizes = KVBytes(model, kv)
+    P = kv.page_size
+    common = min(shared, tokens // 2) // P * P  # only whole sealed pages are shared
     a = model.args
     heads = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
     dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
@@ -126,11 +117,39 @@ def capacity_rows(model, tokenizer, kv, home, budget, tokens):
     step = 256  # mlx-lm KVCache grows in steps of 256 positions, float32 on CPU
     mlx_per_seq = 2 * layers * heads * dim * 4 * (-(-tokens // step) * step)
     rows = []
-    for name, each in (("justfit", per_seq), ("mlx-lm-batch", mlx_per_seq)):
-        n = budget // each
-        rows.append({"system": name, "budget_bytes": budget, "context": tokens, "concurrency": int(n),
-                     "capacity_positions": int(n * tokens), "kv_bytes_per_sequence": int(each)})
-    return rows, {"measured_bytes": int(measured), "predicted_bytes": int(predicted), "tokens": check}
+    for prefix in sorted({0, common}):
+        once = sizes.seq(prefix)  # the shared pages, held once
+        for name, each, fixed in (("justfit", sizes.worst(tokens) - once, once), ("mlx-lm-batch", mlx_per_seq, 0)):
+            n = max(0, budget - fixed) // each
+            rows.append({"system": name, "budget_bytes": budget, "context": tokens, "shared_prefix_tokens": prefix,
+                         "concurrency": int(n), "capacity_positions": int(n * tokens),
+                         "kv_bytes_per_sequence": int(each), "kv_bytes_shared": int(fixed)})
+    return rows, _capacity_check(model, kv, sizes)
+
+
+def _capacity_check(model, kv, sizes) -> dict:
+    """The page arithmetic against a real pool: two sequences of 3.5 pages forked from one 2-page prefix (a
+    16-bit first page, sealed 4-bit pages, 16-bit open pages, as the scheduler runs them), measured vs predicted."""
+    import mlx.core as mx
+
+    from justfit.kvexec import fork_caches, make_cache
+
+    P = kv.page_size
+    prefix, tokens = 2 * P, 3 * P + P // 2
+    base = make_cache(model, kv)
+    for x in base:
+        x.for_batch()
+    model(mx.array([list(range(1000, 1000 + prefix))]), cache=base)
+    mx.eval([x.state for x in base])
+    for i in range(2):
+        child = fork_caches(base)
+        for x in child:
+            x.for_batch()
+        model(mx.array([list(range(2000 + i * P, 2000 + i * P + tokens - prefix))]), cache=child)
+        mx.eval([x.state for x in child])
+    predicted = sizes.seq(prefix) + 2 * (sizes.seq(tokens) - sizes.seq(prefix))
+    return {"measured_bytes": int(base[0].seq.pool.nbytes), "predicted_bytes": int(predicted), "tokens": tokens,
+            "prefix": prefix}
 
 
 WIDE = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
@@ -177,11 +196,13 @@ def run(model_spec, concurrencies, prompt_lengths, shared, gen, rounds, budget, 
     with tempfile.TemporaryDirectory(prefix="justfit-bench-batch-") as tmp:
         home = Path(tmp)
         rng = random.Random(0)
-        _log("batch: warm-up")
-        warm = _prompts(rng, 2, 64, 32, vocab)
-        run_justfit(model, tokenizer, kv, home / "warm", warm, 4)
-        run_mlx_lm(model, warm, 4)
-        for prompt_tokens, conc in [(p, c) for p in prompt_lengths for c in concurrencies]:
+        workloads = [(p, c) for p in prompt_lengths for c in concurrencies] if rounds else []  # 0: capacity only
+        if workloads:
+            _log("batch: warm-up")
+            warm = _prompts(rng, 2, 64, 32, vocab)
+            run_justfit(model, tokenizer, kv, home / "warm", warm, 4)
+            run_mlx_lm(model, warm, 4)
+        for prompt_tokens, conc in workloads:
             samples = {s: [] for s in systems}
             common = min(shared, prompt_tokens // 2)
             for i in range(rounds):
@@ -198,7 +219,7 @@ def run(model_spec, concurrencies, prompt_lengths, shared, gen, rounds, budget, 
                          f"peak {r['peak_memory_bytes'] / 2**20:.0f} MiB")
             for s in systems:
                 rows.append(_median_row(s, conc, prompt_tokens, common, gen, samples[s]))
-        capacity, check = capacity_rows(model, tokenizer, kv, home / "cap", budget, capacity_tokens)
+        capacity, check = capacity_rows(model, kv, budget, capacity_tokens, shared)
     return {
         "bench": "batch", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
         "versions": {"justfit": justfit.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
@@ -210,9 +231,11 @@ def run(model_spec, concurrencies, prompt_lengths, shared, gen, rounds, budget, 
             "throughput_tok_s": "generated tokens / wall time from submission to the last token",
             "peak_memory_bytes": "mx.get_peak_memory() over the run: weights + KV + workspace",
             "peak_over_start_bytes": "peak minus the memory active at submission (the weights): KV + workspace",
-            "capacity": "layout arithmetic under budget_bytes (KV only); justfit's page arithmetic checked "
-                        f"against the pool bytes of a real {check['tokens']}-token sequence: predicted "
-                        f"{check['predicted_bytes']}, measured {check['measured_bytes']}",
+            "capacity": "layout arithmetic under budget_bytes (KV only), for unrelated sequences and for sequences "
+                        "sharing the workload's prefix (shared_prefix_tokens, whole pages); justfit's page arithmetic "
+                        f"checked against the pool bytes of two real {check['tokens']}-token sequences forked from "
+                        f"one {check['prefix']}-token prefix: predicted {check['predicted_bytes']}, "
+                        f"measured {check['measured_bytes']}",
         },
         "rows": rows + capacity,
     }
@@ -235,9 +258,11 @@ SYSTEMS = ("justfit", "mlx-lm-batch")
 def batch(
     concurrency: str = typer.Option("1,4,8,16", "--concurrency", help="Comma-separated numbers of concurrent requests."),
     prompt_tokens: str = typer.Option("512,4096", "--prompt-tokens", help="Comma-separated tokens per prompt."),
-    shared: int = typer.Option(1024, "--shared", help="Tokens of the prefix all prompts share (at most half a prompt)."),
+    shared: int = typer.Option(1024, "--shared", help="Tokens of the prefix all prompts share (at most half a prompt), "
+                               "in the timed workloads and the capacity rows."),
     gen: int = typer.Option(128, "--gen", help="Generated tokens per request."),
-    rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds per concurrency (median reported)."),
+    rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds per concurrency (median reported); 0: "
+                               "capacity rows only (they count bytes, not time)."),
     budget: str = typer.Option("512MiB", "--budget", help="KV budget for the capacity rows."),
     capacity_tokens: int = typer.Option(4096, "--capacity-tokens", help="Sequence length for the capacity rows."),
     systems: str = typer.Option(",".join(SYSTEMS), "--systems", help="Comma-separated systems to run."),
@@ -254,8 +279,8 @@ def batch(
     names = tuple(s.strip() for s in systems.split(",") if s.strip())
     if not concs or any(c < 1 for c in concs) or not names or any(n not in SYSTEMS for n in names):
         raise UserError(f"--concurrency must be positive and --systems among {', '.join(SYSTEMS)}")
-    if not lengths or min(lengths) < 2 or gen < 1 or rounds < 1 or shared < 0 or wide_layers < 1:
-        raise UserError("--prompt-tokens >= 2, --gen >= 1, --rounds >= 1, --shared >= 0 and --wide-layers >= 1")
+    if not lengths or min(lengths) < 2 or gen < 1 or rounds < 0 or shared < 0 or wide_layers < 1:
+        raise UserError("--prompt-tokens >= 2, --gen >= 1, --rounds >= 0, --shared >= 0 and --wide-layers >= 1")
     result = run(model, concs, lengths, shared, gen, rounds, parse_budget(budget), capacity_tokens, names,
                  wide_layers if wide else 0)
     if json_out:
@@ -263,8 +288,9 @@ def batch(
         return
     for r in result["rows"]:
         if "capacity_positions" in r:
-            print(f"{r['system']:14s} capacity under {r['budget_bytes'] / 2**20:.0f} MiB: {r['concurrency']} x "
-                  f"{r['context']} tokens = {r['capacity_positions']} positions")
+            print(f"{r['system']:14s} capacity under {r['budget_bytes'] / 2**20:.0f} MiB, shared prefix "
+                  f"{r['shared_prefix_tokens']}: {r['concurrency']} x {r['context']} tokens = "
+                  f"{r['capacity_positions']} positions")
         else:
             print(f"{r['system']:14s} p={r['prompt_tokens']:5d} c={r['concurrency']:3d}  {r['throughput_tok_s']:7.1f} tok/s  ttft p50 "
                   f"{r['ttft_p50_s']:.2f}s  itl p50 {r['itl_p50_s'] * 1e3:.0f} ms  peak "
