@@ -9,7 +9,8 @@ sequence's own pages (kvexec/cache.py) and returns `BatchKV` handles; the attent
 (routing.py) then calls `batch_attention`: prefill segments run the single-sequence bounded-workspace
 paged attention on their own pages; all decode segments run together (`_decode_batch`), key run by key run
 over their stacked pages with one softmax (an online one, run by run, when the scores are big), so the
-workspace stays bounded by `RUN_ELEMENTS`.
+workspace stays bounded by `RUN_ELEMENTS`. A step with prompt rows runs the last layer's attention and MLP
+for the sampled rows only (`forward`): the other rows need nothing of it but their K/V.
 A row only ever reads pages of its own sequence's table.
 """
 
