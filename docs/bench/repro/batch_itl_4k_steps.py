@@ -14,7 +14,6 @@ import time
 
 from pathlib import Path
 import justfit  # noqa: F401  (before mlx: OpenBLAS)
-import mlx.core as mx
 from justfit.config import KVConfig
 from justfit.models import load
 from justfit.kvexec import make_cache
