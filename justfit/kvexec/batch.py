@@ -29,24 +29,24 @@ class BatchPlan:
     """One step's rows: segments [(per-layer caches of one sequence, rows)], in row order."""
 
     def __init__(self, segments: List[tuple], memo: Optional[dict] = None, dequant: bool = True,
-                 sampled_only: bool = False):
+                 positions: Optional[mx.array] = None):
         self.segments = [(caches, n) for caches, n in segments if n > 0]
         self.memo = memo  # stacked sealed pages kept across steps by the caller (see _decode_batch)
         self.dequant = dequant  # whether the memo may hold sealed 4-bit pages dequantized (DEQUANT_TOKENS)
         self.masks: dict = {}  # the open pages' masks, the same in every layer of this step (_open_run)
-        self.sampled_only = sampled_only  # rows: each segment's last, whose K/V a full plan already wrote
-        first = [c[0].offset - (n if sampled_only else 0) for c, n in self.segments]
-        width = [1 if sampled_only else n for _, n in self.segments]
-        self.positions = mx.array([s + n - w + i for s, (_, n), w in zip(first, self.segments, width)
-                                   for i in range(w)])
-        self.rows = sum(width)
+        self.sampled_only = positions is not None  # rows: each segment's last, whose K/V a full plan wrote
+        if positions is None:
+            first = [c[0].offset for c, _ in self.segments]
+            positions = mx.array([s + i for s, (_, n) in zip(first, self.segments) for i in range(n)])
+        self.positions = positions
+        self.rows = len(self.segments) if self.sampled_only else sum(n for _, n in self.segments)
         n_layers = len(self.segments[0][0]) if self.segments else 0
         self.layers = [BatchLayer(self, i) for i in range(n_layers)]
 
     def sampled(self) -> "BatchPlan":
         """This plan read-only and cut to its sampled rows (each segment's last), once this plan has written
         the step's K/V: `forward` runs the last layer's attention and MLP through it (_sampled_hidden)."""
-        return BatchPlan(self.segments, self.memo, self.dequant, sampled_only=True)
+        return BatchPlan(self.segments, self.memo, self.dequant, self.positions[mx.array(self.last_rows())])
 
     def last_rows(self) -> List[int]:
         """Row index of each segment's last token (where its next-token logits are)."""
