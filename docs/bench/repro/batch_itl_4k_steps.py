@@ -30,13 +30,17 @@ home = Path(tempfile.mkdtemp())
 index = make_index(model, tok, kv, home)
 eng = Engine(model, tok, lambda: make_cache(model, kv, pool=index.pool), index=index, kv=kv, eos=set())
 reqs = [eng.submit(p, max_tokens=gen) for p in prompts]
-log = []
-orig_assemble = eng._assemble
+log, caps = [], [None]
+orig_assemble, orig_rows = eng._assemble, eng.chunks.rows
+def rows(*args):
+    caps[0] = orig_rows(*args)  # the cap the engine asked for, at its decoders and depth
+    return caps[0]
 def assemble():
+    caps[0] = None
     plan = orig_assemble()
-    log.append((sum(1 for r, n in plan if n == 1), sum(n for r, n in plan if n > 1), eng.chunks.rows(), eng.chunks.fit()))
+    log.append((sum(1 for r, n in plan if n == 1), sum(n for r, n in plan if n > 1), caps[0], eng.chunks.fit()))
     return plan
-eng._assemble = assemble
+eng._assemble, eng.chunks.rows = assemble, rows
 t = time.perf_counter()
 while not eng.idle():
     t0 = time.perf_counter()
