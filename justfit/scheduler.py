@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional
 from .errors import MemoryBudgetError, UserError
 from .generation import Sampling, StopText
 from .models.vocab import check_token_ids, vocab_size
-from .scheduler_chunks import ChunkSizer, chunk_keys
+from .scheduler_chunks import ChunkSizer
 from .scheduler_memory import KVBytes
 from .statetrans.index import common_prefix
 from .turns import Chunk, Generation, Submitted, TurnStats
@@ -182,8 +182,7 @@ class Engine:
             self.steps += 1
             now = time.perf_counter()
             if waited:
-                keys = sum(chunk_keys(r.cached - n, n) for r, n in plan)  # cached: after this pass
-                self.chunks.observe(sum(n for _, n in plan), now - t0, keys)
+                self.chunks.observe(sum(n for _, n in plan), now - t0)
             if lone is not None and self.gate is not None and plan == [(lone, 1)]:
                 self.gate.plain(now - t0)  # what a plain step costs, for the drafting gate
             for j, (r, n) in enumerate(plan):
@@ -478,8 +477,7 @@ class Engine:
             plan = [(r, 1) for r in self.running if _decoding(r)]
             budget = self.step_tokens - len(plan)
             if plan:
-                depth = next((r.cached for r in self.running if not _decoding(r) and r.cached < len(r.feed)), 0)
-                budget = min(budget, self.chunks.rows(len(plan), sum(r.cached + 1 for r, _ in plan), depth))
+                budget = min(budget, self.chunks.rows())
             for r in self.running:
                 left = len(r.feed) - r.cached
                 if left and budget > 0 and not _decoding(r):

@@ -342,5 +342,5 @@ def test_prefill_next_to_decoders_grows_only_from_measured_steps(rt):
     reqs = [eng.submit(rt.encode(_unique(f"Prompt {i}: name a planet.")), max_tokens=4) for i in range(3)]
     eng.run(reqs)
     assert eng.chunks.samples  # the steps it waited for were measured
-    assert all(0 < rows <= 128 and keys >= rows and seconds > 0 for rows, keys, seconds in eng.chunks.samples)
+    assert all(0 < rows <= 128 and seconds > 0 for rows, seconds in eng.chunks.samples)
     assert eng.chunks.floor <= eng.chunks.rows() <= 128

@@ -4,6 +4,11 @@ Session 17, `4 4096 16` (default model, 1,024 shared tokens): ITL p50 1.83 s, p9
 step whose cap rose to 448 rows (fit 0.55 s + 0.0103 s a row predicts 5.2 s; it took 12.2 s). The fit's "fixed"
 grew from 0.03 to 0.58 s as decoders and deeper prompt rows joined, and its cost per row, fitted on shallower
 chunks, misses that a row's attention grows with its depth in a 4k prompt.
+Session 18, same command, one run each: this code (b8e3d87) wall 188.8 s, ITL p50 1.67 s, p99 7.26 s; a fit over
+fixed + rows + keys with the chunk solved at its depth (865909d) 188.3 s, 5.16 / 11.81 s; that fit as non-negative
+least squares needing 3 steps each side of half the largest (uncommitted) 192.8 s, 5.00 / 10.29 s. The keys fit is
+right about depth, but it also finds a mixed step's fixed cost ~0.6-0.9 s here, so the overhead rule asks for
+~5 s steps from the first mixed step on; reverted (see the session 18 note).
 
 Run: python docs/bench/repro/batch_itl_4k_steps.py 4 4096 16   (concurrency, prompt tokens, generated tokens)
 """
@@ -51,7 +56,8 @@ while not eng.idle():
 print("wall", time.perf_counter() - t)
 for i, e in enumerate(log):
     if len(e) == 5 and (e[1] > 0 or e[4] > 1.0):
-        fit = e[3] and tuple(round(x, 4) for x in e[3])
+        fit = e[3] and tuple(float("%.3g" % x) for x in e[3])
         print(f"step {i}: decoders {e[0]} prefill rows {e[1]} cap {e[2]} fit {fit} {e[4]:.2f}s")
 itl = sorted(b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:]))
 print("itl p50 %.2f p99 %.2f max %.2f" % (itl[len(itl)//2], itl[int(len(itl)*0.99)], itl[-1]))
+print("last samples:", list(eng.chunks.samples)[-12:])

@@ -37,8 +37,7 @@ def justfit_run(prompts, cap):
     eng.run(reqs)
     wall = time.perf_counter() - t0
     fit = eng.chunks.fit()
-    note = (f" (fit {fit[0]:.2f} s + {fit[1] * 1e3:.1f} ms a row + {fit[2] * 1e6:.2f} us a key: {eng.chunks.rows()} "
-            "rows at depth 0)") if cap < 0 and fit else ""
+    note = f" (fit {fit[0]:.2f} s + {fit[1] * 1e3:.1f} ms a row: {eng.chunks.rows()} rows)" if cap < 0 and fit else ""
     return sum(len(r.out) for r in reqs) / wall, wall, note
 
 
