@@ -7,7 +7,7 @@ chunks, misses that a row's attention grows with its depth in a 4k prompt.
 Session 18, same command, one run each: this code (b8e3d87) wall 188.8 s, ITL p50 1.67 s, p99 7.26 s; a fit over
 fixed + rows + keys with the chunk solved at its depth (865909d) 188.3 s, 5.16 / 11.81 s; that fit as non-negative
 least squares needing 3 steps each side of half the largest (uncommitted) 192.8 s, 5.00 / 10.29 s. The keys fit is
-right about depth, but it also finds a mixed step's fixed cost ~0.6-0.9 s here, so the overhead rule asks for
+right about depth, but it also fits a mixed step's fixed cost at 0.6-1.6 s here, so the overhead rule asks for
 ~5 s steps from the first mixed step on; reverted (see the session 18 note).
 
 Run: python docs/bench/repro/batch_itl_4k_steps.py 4 4096 16   (concurrency, prompt tokens, generated tokens)
@@ -38,7 +38,7 @@ reqs = [eng.submit(p, max_tokens=gen) for p in prompts]
 log, caps = [], [None]
 orig_assemble, orig_rows = eng._assemble, eng.chunks.rows
 def rows(*args):
-    caps[0] = orig_rows(*args)  # the cap the engine asked for, at its decoders and depth
+    caps[0] = orig_rows(*args)  # the cap the engine asked for in this step
     return caps[0]
 def assemble():
     caps[0] = None
