@@ -24,7 +24,7 @@ from justfit.models import load
 from justfit.kvexec import make_cache
 from justfit.scheduler import Engine
 from justfit.statetrans.index import make_index
-from justfit.bench.batch import _prompts
+from justfit.bench.batch import _pct, _prompts
 
 conc, ptok, gen = (int(x) for x in sys.argv[1:4])
 model, tok = load("default")
@@ -49,7 +49,7 @@ eng._assemble, eng.chunks.rows = assemble, rows
 t = time.perf_counter()
 while not eng.idle():
     t0 = time.perf_counter()
-    n = eng.step()
+    eng.step()
     dt = time.perf_counter() - t0
     if log and len(log[-1]) == 4:
         log[-1] = log[-1] + (dt,)
@@ -58,6 +58,6 @@ for i, e in enumerate(log):
     if len(e) == 5 and (e[1] > 0 or e[4] > 1.0):
         fit = e[3] and tuple(float("%.3g" % x) for x in e[3])
         print(f"step {i}: decoders {e[0]} prefill rows {e[1]} cap {e[2]} fit {fit} {e[4]:.2f}s")
-itl = sorted(b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:]))
-print("itl p50 %.2f p99 %.2f max %.2f" % (itl[len(itl)//2], itl[int(len(itl)*0.99)], itl[-1]))
+itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
+print("itl p50 %.2f p99 %.2f max %.2f" % (_pct(itl, 0.5), _pct(itl, 0.99), _pct(itl, 1.0)))  # bench batch's percentiles
 print("last samples:", list(eng.chunks.samples)[-12:])
