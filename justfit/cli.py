@@ -302,6 +302,7 @@ def info():
     from . import __version__
     from .blas import active_blas
     from .config import home
+    from .kvexec import cpu as cpu_kernel
     from .models import backend
     from .phaseswap.budget import Budget, parse_budget
 
@@ -318,6 +319,7 @@ def info():
         ("blas", active_blas()), ("weights", weights), ("JUSTFIT_HOME", str(home())),
         ("memory budget", Budget(parse_budget(os.environ.get("JUSTFIT_MEMORY_BUDGET"))).describe()),
         ("tool sandbox", __import__("justfit_agents.sandbox", fromlist=["describe"]).describe()),  # issue 15
+        ("cpu 4-bit kernel", cpu_kernel.status()),  # kvexec/cpu: decode over 4-bit pages on x86-64 CPUs
     ]
     for k, v in rows:
         typer.echo(f"{k:<17} {v}")

@@ -32,6 +32,8 @@ CHAIN_ELEMENTS = 1 << 20  # score blocks this big are chained (a run's reads wai
 def paged_attention(queries, cache: PagedKVCache, scale: float, mask=None, sinks: Optional[mx.array] = None):
     """softmax(q k^T * scale + mask) v over the cache's pages; queries [1, Hq, L, D] -> [1, Hq, L, Dv]."""
     o = kernels.attention(queries, cache, scale, mask, sinks)  # Metal kernels when they apply
+    if o is None and decode.one_query(queries, cache, mask, sinks):
+        o = decode.kernel_attention(queries, cache, scale)  # x86-64 CPU: every page in one call (cpu/q4.c)
     if o is None and decode.applies(queries, cache, mask, sinks):
         o = decode.attention(queries, cache, scale)  # one query at a short context: few ops
     if o is None:

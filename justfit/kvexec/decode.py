@@ -12,11 +12,15 @@ CPU stream (streams.py) under the same softmax: MLX's CPU `quantized_matmul` is 
 a second copy of at most `MEMO_TOKENS` quantized tokens and of the float window's pages (default model at
 2.5k tokens: 0.9 MB a layer), counted in the cache's `nbytes`; longer contexts take the general path,
 where reading bytes costs more than ops.
+On x86-64 CPUs `kernel_attention` comes first: once a page is read in 4 bits, at any context, the whole
+layer's attention is one call of cpu/q4.c over the pages where they are (the memo then holds only the
+kernel's page list, and copies of pages stored strided, counted in `nbytes`).
 """
 
 import mlx.core as mx
+import numpy as np
 
-from . import streams
+from . import cpu, streams
 from .formats import concat_parts
 from .pages import FULL, OPEN, QUANT
 
@@ -29,6 +33,7 @@ class RunMemo:
 
     def __init__(self):
         self.runs: dict = {}  # kind -> (the Page records stacked, held so their ids stay theirs; their parts)
+        self.table = None  # (sealed pages, their cpu.PAGE rows, host views, bytes of the views that are copies)
 
     def get(self, kind: str, pages, codecs):
         """(key parts, value parts) of `pages` (sealed, of one kind, in token order), stacked once; a
@@ -43,6 +48,15 @@ class RunMemo:
 
     def clear(self):
         self.runs.clear()
+        self.table = None
+
+    def rows(self, pages, build):
+        """`build(pages)` -> (rows, views, copied bytes) for the CPU kernel's page list; its rows, kept while
+        the sealed pages stay the same objects."""
+        held = self.table
+        if held is None or len(held[0]) != len(pages) or any(a is not b for a, b in zip(pages, held[0])):
+            held = self.table = (tuple(pages), *build(pages))
+        return held[1]
 
     @property
     def nbytes(self) -> int:
@@ -51,15 +65,76 @@ class RunMemo:
         for pages, parts in self.runs.values():
             own = {id(a) for p in pages for side in p.parts() for a in side}
             total += sum(a.nbytes for x in parts for a in x if id(a) not in own)
-        return total
+        return total + (self.table[3] if self.table is not None else 0)  # strided pages the kernel reads copied
+
+
+def one_query(queries, cache, mask, sinks) -> bool:
+    """One causal query: no window, no sinks, no dense mask."""
+    if queries.shape[2] != 1 or sinks is not None or cache.window is not None or cache.dense:
+        return False
+    return mask is None or (isinstance(mask, str) and mask == "causal")
 
 
 def applies(queries, cache, mask, sinks) -> bool:
-    """One causal query (no window, no sinks, no dense mask) on a context whose sealed 4-bit part fits the memo."""
-    if queries.shape[2] != 1 or sinks is not None or cache.window is not None or cache.dense:
-        return False
-    return (mask is None or (isinstance(mask, str) and mask == "causal")) and cache.offset <= MEMO_TOKENS + \
+    """One causal query on a context whose sealed 4-bit part fits the memo."""
+    return one_query(queries, cache, mask, sinks) and cache.offset <= MEMO_TOKENS + \
         cache.kv.quantized_kv_start + (cache.kv.float_pages + 1) * cache.seq.page_size
+
+
+def kernel_attention(queries, cache, scale: float):
+    """One query [1, Hq, 1, D] over every page of the layer in one call of the CPU kernel (cpu/q4.c), at any
+    context: sealed 4-bit pages read in place, no stacked copy; or None where it does not apply (another
+    format, no page read in 4 bits, a partial sealed page, no kernel here). The caller checked one_query.
+    The call evaluates q and the open page: one synchronization a layer, which costs less than MLX's
+    quantized matmul from ~1k sealed 4-bit tokens on (docs/bench/repro/cpu_q4_kernel.py)."""
+    if not cpu.decodes(*cache.codecs):
+        return None
+    sealed, open_ = [], None
+    for _, n, page in cache.attended_pages():
+        if page.kind == OPEN:
+            open_ = (n, page)
+        elif n < cache.seq.page_size:
+            return None
+        else:
+            sealed.append(page)
+    if not any(page.kind == QUANT for page in sealed):
+        return None  # nothing read in 4 bits: MLX's fused path costs no synchronization
+    _, Hq, _, D = queries.shape
+    H = cache.n_kv_heads
+    q = queries.reshape(H, Hq // H, D).astype(mx.float32) * scale
+    rows = cache.memo.rows(sealed, lambda pages: _page_rows(pages, cache.seq.page_size))
+    if rows is None:
+        return None
+    views = None  # the open page's host views: alive until the call returns
+    if open_ is not None:
+        n, page = open_
+        k, v = page.parts()[0][0], page.parts()[1][0]
+        kind = cpu.float_kind(k)
+        if kind is None or cpu.float_kind(v) != kind:
+            return None
+        mx.eval(q, k, v)
+        row, views = cpu.page_row(kind, n, (k,), (v,))
+        rows = np.concatenate([rows, np.array([row], cpu.PAGE)])
+    else:
+        mx.eval(q)
+    o = cpu.decode(q, rows, cache.seq.page_size)
+    del views
+    return None if o is None else o.reshape(1, Hq, 1, D).astype(queries.dtype)
+
+
+def _page_rows(pages, page_size: int):
+    """(cpu.PAGE rows of whole sealed pages, the host views they point into, bytes of those that are copies
+    of strided arrays), or (None, None, 0) when a page is stored in a dtype the kernel does not read."""
+    rows, views = np.zeros(len(pages), cpu.PAGE), []
+    mx.eval([a for page in pages for side in page.parts() for a in side])
+    for i, page in enumerate(pages):
+        k, v = page.parts()
+        kind = cpu.QUANT if page.kind == QUANT else cpu.float_kind(k[0])
+        if kind is None or (kind != cpu.QUANT and cpu.float_kind(v[0]) != kind):
+            return None, None, 0
+        rows[i], held = cpu.page_row(kind, page_size, k, v)
+        views.extend(x for x in held if x is not None)
+    return rows, views, sum(x.nbytes for x in views if x.flags.owndata)
 
 
 def attention(queries, cache, scale: float):

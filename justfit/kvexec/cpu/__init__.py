@@ -1,0 +1,148 @@
+"""One decode query over a layer's 4-bit pages on x86-64 CPUs: q4.c, built on first use, called via ctypes.
+
+MLX has no custom-kernel API for its CPU backend, and its CPU `quantized_matmul` runs one query row at a
+time in scalar code: decode over 4-bit pages ran no faster than mlx-lm's float32 cache over 7x the bytes
+(issue 12). q4.c unpacks each code once for every query row of its KV head, in AVX2 vectors, and does a
+layer's whole attention over all its pages (sealed 4-bit, bfloat16, the float32 open page) in one call,
+reading the pages where they are (docs/bench/repro/cpu_q4_kernel.py has the timings).
+
+Built with the system C compiler (`$CC`, else cc or gcc) into JUSTFIT_HOME/kernels/, once per source
+version. It runs where MLX computes on the CPU of an x86-64 machine with AVX2 and FMA; anywhere else, with
+no compiler, or with JUSTFIT_CPU_KERNELS=0, `decodes` is False and KVExec's MLX-ops path runs (the same
+result up to float32 rounding). A C function cannot be a node of MLX's lazy graph, so a call evaluates its
+inputs first: one synchronization a layer.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+SOURCE = Path(__file__).with_name("q4.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+CALLS = Counter()  # "decode": layer calls the kernel served (tests and benches check that it ran)
+QUANT, BF16, F32 = 0, 1, 2  # page kinds q4.c reads
+PAGE = np.dtype([("kind", np.int32), ("n", np.int32), ("k", np.uintp), ("ks", np.uintp), ("kb", np.uintp),
+                 ("v", np.uintp), ("vs", np.uintp), ("vb", np.uintp)], align=True)  # q4.c's page_t
+_state = {"lib": None, "tried": False, "why": ""}
+_lock = threading.Lock()
+
+
+def switched_off() -> bool:
+    """JUSTFIT_CPU_KERNELS=0 (read at every call, so one process can compare both paths)."""
+    return os.environ.get("JUSTFIT_CPU_KERNELS", "1") == "0"
+
+
+def supported() -> bool:
+    """True on an x86-64 CPU with AVX2 and FMA while MLX computes on the CPU."""
+    if platform.machine() not in ("x86_64", "AMD64") or mx.default_device() != mx.cpu:
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return False
+    return {"avx2", "fma"} <= flags
+
+
+def status() -> str:
+    """One line for `justfit info`: whether the kernel runs here and, if not, why."""
+    if switched_off():
+        return "off (JUSTFIT_CPU_KERNELS=0)"
+    if not supported():
+        return "off (needs MLX on the CPU of an x86-64 machine with AVX2 and FMA)"
+    return "on" if library() is not None else f"off ({_state['why']})"
+
+
+def library():
+    """The loaded kernel, built on first use; None where it cannot run here (see the module doc)."""
+    if not _state["tried"]:
+        with _lock:
+            if not _state["tried"]:
+                _state["lib"] = _load() if supported() else None
+                _state["tried"] = True
+    return _state["lib"]
+
+
+def _load():
+    from ...atomic import atomic_write
+    from ...config import home
+    from ...errors import UserError
+
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    try:
+        path = home() / "kernels" / f"q4-{tag}.so"
+        if not path.exists():
+            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            if cc is None:
+                _state["why"] = "no C compiler: install gcc or set CC"
+                return None
+            atomic_write(path, lambda tmp: subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"],
+                                                          check=True, capture_output=True, timeout=120))
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError, UserError) as e:  # MLX's path runs instead
+        detail = getattr(e, "stderr", None) or str(e) or type(e).__name__
+        _state["why"] = "build failed: " + (detail.decode(errors="replace") if isinstance(detail, bytes) else detail)[:300]
+        return None
+    lib.q4_decode.restype = ctypes.c_int
+    lib.q4_decode.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+    return lib
+
+
+def decodes(key_codec, value_codec) -> bool:
+    """True when q4_decode reads this config's 4-bit pages: channel keys in 64-token groups and affine values
+    in 64-element groups, both 4 bits with bfloat16 scales (a float32 model's storage), head dim a multiple
+    of 64 up to 256; and the kernel runs here."""
+    k, v = key_codec, value_codec
+    return (not switched_off() and getattr(k, "name", "") == "channel" and getattr(v, "name", "") == "affine"
+            and k.bits == v.bits == 4 and k.group_size == v.group_size == 64 and k.store == v.store == mx.bfloat16
+            and k.dim == v.dim and k.dim % 64 == 0 and k.dim <= 256 and library() is not None)
+
+
+def float_kind(a: mx.array) -> Optional[int]:
+    """BF16 or F32 for a float page's array, None for a dtype the kernel does not read."""
+    return {mx.bfloat16: BF16, mx.float32: F32}.get(a.dtype)
+
+
+def _host(a: mx.array) -> np.ndarray:
+    """A C-contiguous numpy view of an evaluated MLX array (bfloat16 as its uint16 bits), copied only when
+    strided."""
+    if a.dtype == mx.bfloat16:
+        try:
+            return np.frombuffer(memoryview(a).cast("B"), np.uint16).reshape(a.shape)
+        except (TypeError, ValueError):  # strided: a contiguous copy
+            return np.ascontiguousarray(np.asarray(a.view(mx.uint16)))
+    return np.ascontiguousarray(np.asarray(a))
+
+
+def page_row(kind: int, n: int, keys, values) -> tuple:
+    """(a PAGE record for a page's evaluated parts, the host views it points into: keep them while it is used).
+    keys and values are the page's parts: (codes, scales, biases) for QUANT, (array,) for a float page."""
+    views = [_host(a) for a in (*keys, *values)]
+    if kind != QUANT:
+        views = [views[0], None, None, views[1], None, None]
+    return (kind, n, *[0 if v is None else v.ctypes.data for v in views]), views
+
+
+def decode(q: mx.array, rows: np.ndarray, page_size: int) -> Optional[mx.array]:
+    """softmax(q k^T) v over the pages in `rows` (PAGE records in token order, their arrays evaluated); q
+    [X, R, D] float32, pre-scaled and evaluated -> [X, R, D] float32, or None if the kernel declines."""
+    X, R, D = q.shape
+    qh = _host(q)
+    out = np.empty((X, R, D), np.float32)
+    scratch = np.empty(4 * int(rows["n"].sum()), np.float32)
+    pointers = [ctypes.c_void_p(a.ctypes.data) for a in (qh, rows)]
+    if library().q4_decode(*pointers, len(rows), ctypes.c_void_p(out.ctypes.data),
+                           ctypes.c_void_p(scratch.ctypes.data), X, R, D, page_size) != 0:
+        return None
+    CALLS["decode"] += 1
+    return mx.array(out)

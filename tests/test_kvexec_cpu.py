@@ -1,0 +1,127 @@
+"""The x86-64 CPU decode kernel (kvexec/cpu/q4.c): the attention KVExec's MLX path computes, over every page
+kind it reads (sealed 4-bit, bfloat16, the float32 open page), for any number of query rows per KV head;
+it declines what it does not read, the default model decodes the same tokens with it, and a failed build
+leaves MLX's path running."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from justfit.config import KVConfig
+from justfit.kvexec import PagePool, Sequence, attention, cpu, decode, make_cache
+from justfit.kvexec.cache import PagedKVCache
+from justfit.kvexec.pages import FULL, OPEN, QUANT
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason=f"the CPU kernel does not run here: {cpu.status()}")
+P = 64
+
+
+def _cache(H, **kw):
+    kv = KVConfig(**{"page_size": P, "quantized_kv_start": P, **kw})
+    return PagedKVCache(Sequence(PagePool(1, P)), 0, kv)
+
+
+def _filled(n, H, rep, D, seed=0, **kw):
+    """A cache holding n tokens then one decode token, and that token's queries [1, H*rep, 1, D]."""
+    rng = np.random.default_rng(seed)
+    k, v = (mx.array(rng.standard_normal((1, H, n + 1, D)).astype(np.float32)) for _ in "kv")
+    cache = _cache(H, **kw)
+    cache.update_and_fetch(k[:, :, :n], v[:, :, :n])
+    cache.update_and_fetch(k[:, :, n:], v[:, :, n:])
+    return cache, mx.array(rng.standard_normal((1, H * rep, 1, D)).astype(np.float32))
+
+
+@pytest.mark.parametrize("n", [200, 255, 300, 511])
+@pytest.mark.parametrize("rep", [1, 3, 4, 7])
+@pytest.mark.parametrize("D", [64, 128])
+def test_kernel_equals_the_mlx_path(n, rep, D):
+    cache, q = _filled(n, 2, rep, D, seed=n + rep)
+    before = cpu.CALLS["decode"]
+    got = decode.kernel_attention(q, cache, 0.125)
+    assert got is not None and cpu.CALLS["decode"] == before + 1
+    kinds = {p.kind for _, _, p in cache.attended_pages()}
+    assert QUANT in kinds and (OPEN in kinds) == ((n + 1) % P != 0)  # 4-bit pages read; an open one if any
+    np.testing.assert_allclose(np.array(got), np.array(attention._attend(q, cache, 0.125, None, None)),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_pages_read_without_a_float_window_and_a_nearly_full_open_page():
+    cache, q = _filled(P * 4 - 2, 2, 3, 64, float_pages=0)  # 63 of the open page's 64 slots written
+    assert [p.kind for _, _, p in cache.attended_pages()] == [FULL, QUANT, QUANT, OPEN]
+    got = decode.kernel_attention(q, cache, 0.125)
+    np.testing.assert_allclose(np.array(got), np.array(attention._attend(q, cache, 0.125, None, None)),
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(bits=16), dict(format="rotated"), dict(key_bits=8), dict(key_format="affine")])
+def test_formats_it_does_not_read_take_the_mlx_path(kw):
+    cache, q = _filled(300, 2, 3, 64, **kw)
+    assert decode.kernel_attention(q, cache, 0.125) is None
+    np.testing.assert_allclose(np.array(attention.paged_attention(q, cache, 0.125)),
+                               np.array(attention._attend(q, cache, 0.125, None, None)), atol=2e-6, rtol=1e-5)
+
+
+def test_a_partial_sealed_page_and_a_short_context_take_the_mlx_path():
+    cache, q = _filled(300, 2, 3, 64)
+    cache.trim(200)  # 101 tokens: the second page is cut, sealed and partial
+    cache.update_and_fetch(*(mx.zeros((1, 2, 1, 64)) for _ in "kv"))
+    assert decode.kernel_attention(q, cache, 0.125) is None
+    short, q2 = _filled(100, 2, 3, 64)  # only float pages: MLX's fused path, no synchronization
+    assert decode.kernel_attention(q2, short, 0.125) is None
+
+
+def test_default_model_decodes_the_same_tokens(runtime16, monkeypatch):
+    runtime16.phaseswap.enter("decode")
+    model = runtime16.model
+    ids = [int(i) for i in np.random.default_rng(3).integers(100, 40000, 1100)]  # several sealed 4-bit pages
+
+    def greedy(n=8):
+        caches = make_cache(model, KVConfig())
+        logits = model(mx.array(ids)[None], cache=caches)[0, -1]
+        out, steps = [], []
+        for _ in range(n):
+            steps.append(logits)
+            out.append(int(mx.argmax(logits)))
+            logits = model(mx.array([[out[-1]]]), cache=caches)[0, -1]
+        return out, mx.stack(steps)
+
+    before = cpu.CALLS["decode"]
+    tokens, logits = greedy()
+    assert cpu.CALLS["decode"] - before == 8 * len(model.layers)  # every layer of every step
+    monkeypatch.setenv("JUSTFIT_CPU_KERNELS", "0")
+    ref_tokens, ref_logits = greedy()
+    assert cpu.CALLS["decode"] - before == 8 * len(model.layers)
+    assert tokens == ref_tokens
+    assert float(mx.abs(logits - ref_logits).max()) < 2e-3
+
+
+def _status(tmp_path, **env):
+    code = "from justfit.kvexec import cpu; print(cpu.status()); print(cpu.library() is None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JUSTFIT_HOME": str(tmp_path), **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_a_failed_build_or_the_switch_leaves_mlx_running(tmp_path):
+    status, none = _status(tmp_path, CC="false")
+    assert status.startswith("off (build failed") and none == "True"
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written is left to load later
+    status, _ = _status(tmp_path, JUSTFIT_CPU_KERNELS="0")
+    assert status == "off (JUSTFIT_CPU_KERNELS=0)"
+    status, none = _status(tmp_path)
+    assert status == "on" and none == "False" and len(list((tmp_path / "kernels").glob("q4-*.so"))) == 1
+
+
+def test_strided_and_bfloat16_arrays_reach_the_kernel_as_their_values():
+    a = mx.arange(32, dtype=mx.float32).reshape(4, 8)
+    for x in (a.T, a.astype(mx.bfloat16).T, a.astype(mx.bfloat16)[:, ::2]):  # strided views, as seals make
+        mx.eval(x)
+        host = cpu._host(x)
+        assert host.flags.c_contiguous and host.shape == tuple(x.shape)
+        values = host if x.dtype == mx.float32 else (host.astype(np.uint32) << 16).view(np.float32)
+        np.testing.assert_array_equal(values, np.array(x.astype(mx.float32)))
