@@ -527,8 +527,9 @@ class Engine:
         return pool + memo_nbytes(self._stacks) + sum(c.memo.nbytes for c in self._memo_caches()) + solo
 
     def _memo_caches(self):
-        """Running sequences' layer caches that hold a decode memo."""
-        return [c for r in self.running if r.caches for c in r.caches if getattr(c, "memo", None) and c.memo.runs]
+        """Running sequences' layer caches that hold a decode memo (stacked pages, or the CPU kernel's page list)."""
+        return [c for r in self.running if r.caches for c in r.caches
+                if getattr(c, "memo", None) and (c.memo.runs or c.memo.table is not None)]
 
     def _solo_caches(self):
         """Layer caches of a lone running sequence still in single-sequence mode (float window, float32 open page)."""

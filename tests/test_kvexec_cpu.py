@@ -125,3 +125,25 @@ def test_strided_and_bfloat16_arrays_reach_the_kernel_as_their_values():
         assert host.flags.c_contiguous and host.shape == tuple(x.shape)
         values = host if x.dtype == mx.float32 else (host.astype(np.uint32) << 16).view(np.float32)
         np.testing.assert_array_equal(values, np.array(x.astype(mx.float32)))
+
+
+def test_batched_decode_equals_the_mlx_path_and_reads_each_sequence_alone():
+    from justfit.kvexec.batch import _decode_batch
+
+    pool, H, rep, D = PagePool(1, P), 2, 3, 64
+    kv = KVConfig(page_size=P, quantized_kv_start=P)
+    caches, rng = [], np.random.default_rng(7)
+    for n in (130, 200, 333, 64 * 5 - 1):  # different lengths, open pages of different fill (none for the last)
+        c = PagedKVCache(Sequence(pool), 0, kv)
+        c.for_batch()  # batched serving: no float window, 16-bit open pages
+        k, v = (mx.array(rng.standard_normal((1, H, n + 1, D)).astype(np.float32)) for _ in "kv")
+        c.update_and_fetch(k, v)
+        caches.append(c)
+    q = mx.array(rng.standard_normal((len(caches), H * rep, D)).astype(np.float32))
+    got = decode.kernel_attention_batch(q, caches, 0.125)
+    assert got is not None
+    np.testing.assert_allclose(np.array(got), np.array(_decode_batch(q, caches, 0.125)), atol=2e-5, rtol=1e-4)
+    # each row is its own sequence's attention: the same computed with that sequence alone
+    alone = decode.kernel_attention_batch(q[1:2], caches[1:2], 0.125)
+    np.testing.assert_allclose(np.array(got[1:2]), np.array(alone), atol=1e-6)
+    assert decode.kernel_attention_batch(q, caches, 0.125, quant_floor=10**6) is None  # below the floor: MLX

@@ -21,6 +21,7 @@ import mlx.core as mx
 from . import softmax, streams
 from .attention import RUN_ELEMENTS, fits_one_softmax, paged_attention
 from .cache import PagedKVCache
+from .decode import kernel_attention_batch
 from .formats import concat_parts
 from .pages import FULL, OPEN, QUANT
 
@@ -121,7 +122,12 @@ def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
     if decode:
         plan, every = layer.plan, len(decode) == len(out)  # every: a decode-only step, rows in order
         q = queries[:, :, 0] if every else queries[mx.array([r for _, r, _ in decode]), :, 0]
-        o = _decode_batch(q, [c for _, _, c in decode], scale, plan.memo, plan.masks, plan.dequant)
+        caches = [c for _, _, c in decode]
+        o = kernel_attention_batch(q, caches, scale, DEQUANT_TOKENS if plan.dequant else -1)  # x86-64 CPUs
+        if o is None:
+            o = _decode_batch(q, caches, scale, plan.memo, plan.masks, plan.dequant)
+        else:
+            _drop_layer(plan.memo, layer.layer)
         if every:  # no gather of the rows' queries, no split and concatenation of their outputs
             return o[:, :, None].astype(queries.dtype)
         for j, (slot, _, _) in enumerate(decode):
@@ -227,6 +233,12 @@ def _key_runs(caches, memo: Optional[dict], run_pages: int, masks: dict, dequant
                 yield (*codecs, *run, (p1 - p0) * P)
     for slot in [s for s in memo or {} if s[0] == c0.layer and s not in used]:
         del memo[slot]  # a run laid out differently now (the batch or its shared prefix changed)
+
+
+def _drop_layer(memo: Optional[dict], layer: int):
+    """Free a layer's stacked runs (the CPU kernel reads its pages in place now)."""
+    for slot in [s for s in memo or {} if s[0] == layer]:
+        del memo[slot]
 
 
 def memo_nbytes(memo: Optional[dict]) -> int:

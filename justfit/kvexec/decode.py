@@ -87,6 +87,45 @@ def kernel_attention(queries, cache, scale: float):
     format, no page read in 4 bits, a partial sealed page, no kernel here). The caller checked one_query.
     The call evaluates q and the open page: one synchronization a layer, which costs less than MLX's
     quantized matmul from ~1k sealed 4-bit tokens on (docs/bench/repro/cpu_q4_kernel.py)."""
+    _, Hq, _, D = queries.shape
+    o = kernel_attention_batch(queries.reshape(1, Hq, D), [cache], scale)
+    return None if o is None else o.reshape(1, Hq, 1, D).astype(queries.dtype)
+
+
+def kernel_attention_batch(q, caches, scale: float, quant_floor: int = 0):
+    """One decode query per sequence, q [B, Hq, D] -> [B, Hq, D], each over its own cache's pages in one call
+    of the CPU kernel; None where it does not serve every sequence, or while they hold at most `quant_floor`
+    sealed 4-bit tokens in all (batched decode's dequantized copies are as fast there, with no
+    synchronization)."""
+    pages = [_kernel_pages(c) for c in caches]
+    if any(p is None for p in pages) or sum(x.kind == QUANT for s, _ in pages for x in s) * \
+            caches[0].seq.page_size <= quant_floor:
+        return None
+    B, Hq, D = q.shape
+    H = caches[0].n_kv_heads
+    qf = (q.astype(mx.float32) * scale).reshape(B, H, Hq // H, D)
+    mx.eval(qf, *[a for _, open_ in pages if open_ is not None for side in open_[1].parts() for a in side])
+    tables, views = [], []  # the open pages' host views: alive until the call returns
+    for c, (sealed, open_) in zip(caches, pages):
+        rows = c.memo.rows(sealed, lambda ps, c=c: _page_rows(ps, c.seq.page_size))
+        if rows is None:
+            return None
+        if open_ is not None:
+            n, page = open_
+            (k,), (v,) = page.parts()
+            row, held = cpu.page_row(cpu.float_kind(k), n, (k,), (v,))
+            rows = np.concatenate([rows, np.array([row], cpu.PAGE)])
+            views.append(held)
+        tables.append(rows)
+    o = cpu.decode(qf, tables, caches[0].seq.page_size)
+    del views
+    return None if o is None else o.reshape(B, Hq, D)
+
+
+def _kernel_pages(cache):
+    """(sealed pages, (n, open page) or None) as the CPU kernel reads them, or None where it does not apply:
+    another format, a partial sealed page, an open page in a dtype it does not read, no page read in 4 bits
+    (MLX's fused path then costs no synchronization), no kernel here."""
     if not cpu.decodes(*cache.codecs):
         return None
     sealed, open_ = [], None
@@ -98,28 +137,12 @@ def kernel_attention(queries, cache, scale: float):
         else:
             sealed.append(page)
     if not any(page.kind == QUANT for page in sealed):
-        return None  # nothing read in 4 bits: MLX's fused path costs no synchronization
-    _, Hq, _, D = queries.shape
-    H = cache.n_kv_heads
-    q = queries.reshape(H, Hq // H, D).astype(mx.float32) * scale
-    rows = cache.memo.rows(sealed, lambda pages: _page_rows(pages, cache.seq.page_size))
-    if rows is None:
         return None
-    views = None  # the open page's host views: alive until the call returns
     if open_ is not None:
-        n, page = open_
-        k, v = page.parts()[0][0], page.parts()[1][0]
-        kind = cpu.float_kind(k)
-        if kind is None or cpu.float_kind(v) != kind:
+        (k,), (v,) = open_[1].parts()
+        if cpu.float_kind(k) is None or cpu.float_kind(v) != cpu.float_kind(k):
             return None
-        mx.eval(q, k, v)
-        row, views = cpu.page_row(kind, n, (k,), (v,))
-        rows = np.concatenate([rows, np.array([row], cpu.PAGE)])
-    else:
-        mx.eval(q)
-    o = cpu.decode(q, rows, cache.seq.page_size)
-    del views
-    return None if o is None else o.reshape(1, Hq, 1, D).astype(queries.dtype)
+    return sealed, open_
 
 
 def _page_rows(pages, page_size: int):

@@ -61,7 +61,10 @@ class FullCodec(Codec):
         self.head_dim, self.store = head_dim, store  # store: the dtype kept (None: as it arrives)
 
     def encode(self, x):
-        return (x if self.store is None else x.astype(self.store),)
+        """The page as one contiguous array: K/V arrive as a transposed view of the projections (token-major), and
+        a sealed page kept that way holds the whole projection buffer and is not laid out per head (the CPU
+        kernel reads heads in place: cpu/q4.c)."""
+        return (mx.contiguous(x if self.store is None else x.astype(self.store)),)
 
     def decode(self, parts):
         return parts[0]

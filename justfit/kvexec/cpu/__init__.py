@@ -32,7 +32,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 CALLS = Counter()  # "decode": layer calls the kernel served (tests and benches check that it ran)
 QUANT, BF16, F32 = 0, 1, 2  # page kinds q4.c reads
 PAGE = np.dtype([("kind", np.int32), ("n", np.int32), ("k", np.uintp), ("ks", np.uintp), ("kb", np.uintp),
-                 ("v", np.uintp), ("vs", np.uintp), ("vb", np.uintp)], align=True)  # q4.c's page_t
+                 ("v", np.uintp), ("vs", np.uintp), ("vb", np.uintp), ("hs", np.int64)], align=True)  # page_t
 _state = {"lib": None, "tried": False, "why": ""}
 _lock = threading.Lock()
 
@@ -128,21 +128,25 @@ def page_row(kind: int, n: int, keys, values) -> tuple:
     """(a PAGE record for a page's evaluated parts, the host views it points into: keep them while it is used).
     keys and values are the page's parts: (codes, scales, biases) for QUANT, (array,) for a float page."""
     views = [_host(a) for a in (*keys, *values)]
-    if kind != QUANT:
-        views = [views[0], None, None, views[1], None, None]
-    return (kind, n, *[0 if v is None else v.ctypes.data for v in views]), views
+    if kind == QUANT:
+        return (kind, n, *[v.ctypes.data for v in views], 0), views
+    k, v = views
+    return (kind, n, k.ctypes.data, 0, 0, v.ctypes.data, 0, 0, k.strides[0] // k.itemsize), views
 
 
-def decode(q: mx.array, rows: np.ndarray, page_size: int) -> Optional[mx.array]:
-    """softmax(q k^T) v over the pages in `rows` (PAGE records in token order, their arrays evaluated); q
-    [X, R, D] float32, pre-scaled and evaluated -> [X, R, D] float32, or None if the kernel declines."""
-    X, R, D = q.shape
+def decode(q: mx.array, tables, page_size: int) -> Optional[mx.array]:
+    """softmax(q k^T) v for B sequences, each over the pages of its table (PAGE records in token order, their
+    arrays evaluated); q [B, X, R, D] float32, pre-scaled and evaluated -> [B, X, R, D] float32, or None if
+    the kernel declines one."""
+    B, X, R, D = q.shape
     qh = _host(q)
-    out = np.empty((X, R, D), np.float32)
-    scratch = np.empty(4 * int(rows["n"].sum()), np.float32)
-    pointers = [ctypes.c_void_p(a.ctypes.data) for a in (qh, rows)]
-    if library().q4_decode(*pointers, len(rows), ctypes.c_void_p(out.ctypes.data),
-                           ctypes.c_void_p(scratch.ctypes.data), X, R, D, page_size) != 0:
-        return None
+    out = np.empty((B, X, R, D), np.float32)
+    scratch = np.empty(4 * max(int(rows["n"].sum()) for rows in tables), np.float32)
+    step, lib = X * R * D * 4, library()
+    for b, rows in enumerate(tables):
+        pointers = [ctypes.c_void_p(qh.ctypes.data + b * step), ctypes.c_void_p(rows.ctypes.data), len(rows),
+                    ctypes.c_void_p(out.ctypes.data + b * step), ctypes.c_void_p(scratch.ctypes.data)]
+        if lib.q4_decode(*pointers, X, R, D, page_size) != 0:
+            return None
     CALLS["decode"] += 1
     return mx.array(out)

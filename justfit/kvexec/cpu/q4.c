@@ -14,7 +14,9 @@
              [X, P/64, D, 1] bfloat16. Values: `mx.quantize` along D in 64-element groups, codes
              [X, P, D/8] uint32 (element 8w + j at bits 4j of word w), scales and biases [X, P, D/64]
              bfloat16. x = scale * code + bias.
-     kind 1: a bfloat16 page, k and v [X, P, D], its first n tokens valid;
+     kind 1: a bfloat16 page, k and v [X, P, D] with each head's [P, D] contiguous and heads hs elements
+             apart (a page sealed from a slice of a longer prefill is a strided view of it), first n tokens
+             valid;
      kind 2: the same in float32 (the open page).
    D is a multiple of 64, at most 256; P a multiple of 64. Returns 0, or -1 for what it does not take (the
    caller then runs MLX's path). */
@@ -28,6 +30,7 @@
 typedef struct {
     int kind, n;
     const void *k, *ks, *kb, *v, *vs, *vb;
+    int64_t hs;  /* float pages: elements from one head's keys (and values) to the next */
 } page_t;
 
 AI float bf16(const void* a, size_t i) {
@@ -147,7 +150,7 @@ AI void value_mix(const float* p, size_t S, const page_t* pg, int x, int D, int 
 AI void float_scores(const float* q, const page_t* pg, int x, int D, int P, float* s, size_t S, const int R) {
     const int is_bf16 = pg->kind == 1;
     for (int t = 0; t < pg->n; t++) {
-        size_t row = ((size_t)x * P + t) * D;
+        size_t row = (size_t)x * pg->hs + (size_t)t * D;
         __m256 acc[4];
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8) {
@@ -165,7 +168,7 @@ AI void float_mix(const float* p, size_t S, const page_t* pg, int x, int D, int 
         __m256 acc[4];
         for (int r = 0; r < R; r++) acc[r] = _mm256_loadu_ps(o + (size_t)r * D + d);
         for (int t = 0; t < pg->n; t++) {
-            __m256 v = load8(pg->v, ((size_t)x * P + t) * D + d, is_bf16);
+            __m256 v = load8(pg->v, (size_t)x * pg->hs + (size_t)t * D + d, is_bf16);
             for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * S + t]), v, acc[r]);
         }
         for (int r = 0; r < R; r++) _mm256_storeu_ps(o + (size_t)r * D + d, acc[r]);
