@@ -179,8 +179,37 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
         spec = sampling.plain_greedy and drafter is not None
         if spec:
             drafter.reset(list(seen))
-        n, force_plain, known = 0, False, False  # known: the pending token is already in drafter.hist
+        # Steps overlap as in mlx-lm: the next one is built on the pending token before it is read, so graph
+        # building runs while the previous step computes. A step waits for its token only where something
+        # must see it first: logits processors, a constraint, a drafter whose proposals cost a pass, or a
+        # token after which the (cheap) drafter could propose.
+        overlap = not processors and constraint is None and (not spec or getattr(drafter, "cheap", False))
+        n, force_plain, known, wait = 0, False, False, True  # known: the pending token is already in drafter.hist
+        t_tok = None
         while n < max_tokens:
+            if overlap and not wait:
+                last = n + 1 >= max_tokens
+                logits = model(y[None], cache=cache)[:, -1, :]  # feeds the pending token, still unread
+                nxt = None if last else choose(logits)
+                mx.async_eval(logits if last else nxt)
+                tok = int(y.item())
+                seen.append(tok)
+                if spec:
+                    drafter.extend([tok])
+                    now = time.perf_counter()
+                    if t_tok is not None and gate is not None:
+                        gate.plain(now - t_tok)  # overlapped steps: seconds between tokens
+                    t_tok = now
+                    wait = (gate is None or gate.open()) and bool(drafter.propose(1))
+                yield tok
+                n += 1
+                if last or tok in stop:
+                    return
+                y = nxt
+                if n % 256 == 0:
+                    mx.clear_cache()
+                continue
+            t_tok = None
             tok = int(y.item())
             if constraint is not None:
                 constraint.advance(tok)
@@ -226,6 +255,7 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
             if gate is not None and spec:
                 mx.eval(y)
                 gate.plain(time.perf_counter() - t0)
+            wait = False
             if n % 256 == 0:
                 mx.clear_cache()
 

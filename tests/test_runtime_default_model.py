@@ -53,3 +53,22 @@ def test_seeded_sampling_is_reproducible(runtime16):
     a = runtime16.generate("Tell me a word.", max_tokens=6, temperature=1.0, seed=7)
     b = runtime16.generate("Tell me a word.", max_tokens=6, temperature=1.0, seed=7)
     assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("prompt, max_tokens", [("Say just the word yes.", 64), ("Write a long story about a dragon who guards a library.", 20)])
+def test_overlapped_decode_equals_stepwise_and_feeds_every_token(runtime16, prompt, max_tokens):
+    """Plain decoding builds each step on the pending token before reading it; a logits processor makes every
+    step wait for its token instead. Both give the same ids, ending at end-of-turn or at max_tokens, and
+    leave every yielded id (end-of-turn included) in the cache, as the next turn expects."""
+    from justfit.generation import Sampling, token_steps
+
+    ids, eos = runtime16.encode(prompt), set(runtime16.tokenizer.eos_token_ids)
+    runs = []
+    for processors in ((), (lambda seen, logits: logits,)):
+        cache = runtime16.make_cache()
+        out = list(token_steps(runtime16.model, ids, cache, Sampling(logits_processors=processors), max_tokens, eos))
+        runs.append((out, cache[0].offset))
+    (overlapped, fed), (stepwise, fed_stepwise) = runs
+    assert overlapped == stepwise
+    assert fed == fed_stepwise == len(ids) + len(overlapped)
+    assert (overlapped[-1] in eos) if prompt.startswith("Say") else len(overlapped) == max_tokens

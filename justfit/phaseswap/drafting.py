@@ -21,6 +21,7 @@ class PromptLookup:
 
     name = "prompt-lookup"
     component = None
+    cheap = True  # a proposal costs no model pass: the decode loop may ask after every token
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
