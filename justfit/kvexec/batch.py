@@ -123,7 +123,7 @@ def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
         plan, every = layer.plan, len(decode) == len(out)  # every: a decode-only step, rows in order
         q = queries[:, :, 0] if every else queries[mx.array([r for _, r, _ in decode]), :, 0]
         caches = [c for _, _, c in decode]
-        o = kernel_attention_batch(q, caches, scale, DEQUANT_TOKENS if plan.dequant else -1)  # x86-64 CPUs
+        o = kernel_attention_batch(q, caches, scale)  # x86-64 CPUs: sealed 4-bit pages read in place
         if o is None:
             o = _decode_batch(q, caches, scale, plan.memo, plan.masks, plan.dequant)
         else:
@@ -139,8 +139,9 @@ def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
 GROUPS = (FULL, QUANT, OPEN)  # sealed float, sealed quantized, the page being filled
 OPEN_STEP = 32  # open pages are read in whole steps of this many slots (few distinct shapes, little waste)
 DEQUANT_TOKENS = 4096  # most sealed 4-bit tokens (all rows of a batch) a memo keeps dequantized to float32, per
-# layer: MLX's CPU quantized_matmul scores and mixes them ~5x slower than BLAS reads their float copy (c=4,
-# 256 tokens a row: ~0.9 vs ~0.2 ms a layer); default model: 46 KB a token over all layers, 188 MB at the cap
+# layer, where the CPU kernel does not serve the batch (another CPU or format, a row with no 4-bit page): MLX's
+# CPU quantized_matmul scores and mixes them ~5x slower than BLAS reads their float copy (c=4, 256 tokens a
+# row: ~0.9 vs ~0.2 ms a layer); default model: 46 KB a token over all layers, 188 MB at the cap
 
 
 def _split_pages(cache: PagedKVCache):

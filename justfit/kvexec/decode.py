@@ -92,14 +92,12 @@ def kernel_attention(queries, cache, scale: float):
     return None if o is None else o.reshape(1, Hq, 1, D).astype(queries.dtype)
 
 
-def kernel_attention_batch(q, caches, scale: float, quant_floor: int = 0):
+def kernel_attention_batch(q, caches, scale: float):
     """One decode query per sequence, q [B, Hq, D] -> [B, Hq, D], each over its own cache's pages in one call
-    of the CPU kernel; None where it does not serve every sequence, or while they hold at most `quant_floor`
-    sealed 4-bit tokens in all (batched decode's dequantized copies are as fast there, with no
-    synchronization)."""
+    of the CPU kernel; None where it does not serve every sequence (see _kernel_pages: each must read a
+    sealed 4-bit page)."""
     pages = [_kernel_pages(c) for c in caches]
-    if any(p is None for p in pages) or sum(x.kind == QUANT for s, _ in pages for x in s) * \
-            caches[0].seq.page_size <= quant_floor:
+    if any(p is None for p in pages):
         return None
     B, Hq, D = q.shape
     H = caches[0].n_kv_heads

@@ -2,7 +2,7 @@
 with the CPU kernel (kvexec/cpu, kernel_attention_batch) vs without it (JUSTFIT_CPU_KERNELS=0: the dequantized
 stack while the batch holds at most DEQUANT_TOKENS sealed 4-bit tokens, else MLX's quantized matmul) vs mlx-lm's
 BatchKVCache; steps interleaved, each system on its own caches, the step's token trimmed back after; medians
-with min-max. The kernel serves only past DEQUANT_TOKENS (or when the budget holds no dequantized copies).
+with min-max. The kernel serves once every sequence has a sealed 4-bit page (T > 512 with the default config).
 
 Run: python docs/bench/repro/batch_decode_kernel_ab.py 4 4096 12
 """
