@@ -125,6 +125,15 @@ def prefill(model, cache, ids: List[int], residency=None, progress: Optional[Cal
     return reload_s
 
 
+def _computes_while_built(cache) -> bool:
+    """A decode step on `cache` runs the CPU kernel, which evaluates as the step is built (kvexec.kernel_serves):
+    building the next step before reading the pending token would only read it a step late."""
+    from .kvexec import PagedKVCache, kernel_serves
+
+    first = next((c for c in cache if isinstance(c, PagedKVCache) and c.window is None), None)
+    return first is not None and kernel_serves([first])
+
+
 def _max_draft(cache, room: int) -> int:
     """Longest draft that keeps every trim exact: stop before a page that would seal quantized."""
     k = room
@@ -143,7 +152,7 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
                 gate=None, counts: Optional[dict] = None, progress: Optional[Callable] = None) -> Iterator[int]:
     """Prefill `prompt` (the tokens not in `cache`; `history` is what the cache already holds) then yield
     up to max_tokens ids. Each yielded id is in the cache (fed) by the time the next one is yielded, the
-    last one (end-of-turn id included) when the generator finishes."""
+    last one (end-of-turn id included) when the generator finishes or is closed."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
@@ -182,12 +191,14 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
         # Steps overlap as in mlx-lm: the next one is built on the pending token before it is read, so graph
         # building runs while the previous step computes. A step waits for its token only where something
         # must see it first: logits processors, a constraint, a drafter whose proposals cost a pass, or a
-        # token after which the (cheap) drafter could propose.
+        # token after which the (cheap) drafter could propose. Where the CPU kernel serves decode, a step
+        # computes while it is built: no overlap to win, so the token is read, yielded, then fed.
         overlap = not processors and constraint is None and (not spec or getattr(drafter, "cheap", False))
         n, force_plain, known, wait = 0, False, False, True  # known: the pending token is already in drafter.hist
         t_tok = None
         while n < max_tokens:
-            if overlap and not wait:
+            built = _computes_while_built(cache)
+            if overlap and not wait and not built:
                 last = n + 1 >= max_tokens
                 logits = model(y[None], cache=cache)[:, -1, :]  # feeds the pending token, still unread
                 nxt = None if last else choose(logits)
@@ -236,16 +247,25 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
                 forced = constraint.forced()[: max_tokens - n - 1]
                 counts["forced_tokens"] += len(forced)
                 feed += forced
+            ahead = built and len(feed) == 1  # the step computes as it is built: show tok first, then feed it
+            if ahead:
+                try:
+                    yield tok
+                except GeneratorExit:  # the caller stops at this token: it is fed all the same, as on every path
+                    mx.eval(forward(feed))
+                    raise
+                n += 1
             t0 = time.perf_counter()
             seen.extend(feed)
             logits = forward(feed)  # the last id is fed too: the next turn reuses its K/V
             if finished:
                 mx.async_eval(logits)
-                yield tok
+                if not ahead:
+                    yield tok
                 return
             y = choose(logits)
             mx.async_eval(y)
-            for t in feed:
+            for t in () if ahead else feed:
                 yield t
                 n += 1
                 if t in stop:

@@ -230,11 +230,16 @@ class Engine:
         """When every running request is a plain greedy decoder with tokens left and nobody waits, queue the
         next step's pass on this step's argmax before reading it (as mlx-lm's generate loop does): building
         the graph overlaps the computation. A row that stops at this token had one token too many fed; its
-        sequence is released (pages hold only what `cached` says)."""
+        sequence is released (pages hold only what `cached` says). Not where the CPU kernel serves the pass:
+        it computes while built, so this step's tokens would be published a step late for no overlap."""
         import mlx.core as mx
+
+        from .kvexec import kernel_serves
 
         if self.queue or len(plan) != len(self.running) or (self.drafter is not None and len(plan) == 1):
             return None  # someone to admit, a prefill to finish, or a lone request that drafts instead
+        if kernel_serves([r.caches[0] for r, _ in plan]):
+            return None
         for r, _ in plan:
             if r.cached != len(r.feed) or not r.sampling.plain_greedy or len(r.out) + 2 > r.max_tokens:
                 return None

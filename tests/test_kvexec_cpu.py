@@ -180,3 +180,54 @@ def test_batched_engine_decodes_through_the_kernel_with_no_float_copies(runtime1
         for t in tokens:
             assert float(logits[t]) >= float(logits.max()) - 0.05
             logits = model(mx.array([[t]]), cache=caches)[0, -1]
+
+
+def test_kernel_served_steps_publish_their_tokens_without_computing_the_next_pass(runtime16):
+    """Where the kernel serves batched decode, a step computes its own pass only: the kernel evaluates while a
+    pass is built, so queueing the next one would compute it before this step's tokens are published (each a
+    step late). After every step each running request's pages hold its prompt and all its tokens but the last
+    published one, which the next pass feeds; without the kernel the next pass is queued (fed one more)."""
+    from justfit.scheduler import Engine
+
+    model, kv, rng = runtime16.model, KVConfig(), np.random.default_rng(12)
+    prompts = [[int(i) for i in rng.integers(100, 40000, 530)] for _ in range(2)]  # one sealed 4-bit page each
+
+    def ahead_of_published(env):
+        """Per step, tokens each running request's caches hold beyond prompt + published - 1."""
+        os.environ["JUSTFIT_CPU_KERNELS"] = env
+        try:
+            eng = Engine(model, runtime16.tokenizer, lambda: make_cache(model, kv), kv=kv)
+            reqs, seen, before = [eng.submit(p, max_tokens=6) for p in prompts], set(), cpu.CALLS["decode"]
+            while not all(r.done for r in reqs):
+                eng.step()
+                seen |= {r.caches[0].offset - (len(r.prompt) + len(r.out) - 1) for r in reqs if r.out and not r.done}
+            return seen, cpu.CALLS["decode"] - before
+        finally:
+            os.environ.pop("JUSTFIT_CPU_KERNELS")
+
+    seen, calls = ahead_of_published("1")
+    assert calls >= 3 * len(model.layers) and seen == {0}
+    seen, calls = ahead_of_published("0")
+    assert calls == 0 and 1 in seen
+
+
+def test_generation_on_the_kernel_yields_each_token_before_feeding_it_and_feeds_it_on_close(runtime16):
+    """A single sequence decoding through the kernel: each token is yielded as soon as it is read, before the
+    step that feeds it (that step computes while it is built, so building it first would show the token a step
+    late); a caller that stops early still leaves every token it saw in the cache."""
+    from justfit.generation import Sampling, token_steps
+
+    model, L = runtime16.model, len(runtime16.model.layers)
+    ids = [int(i) for i in np.random.default_rng(13).integers(100, 40000, 800)]  # a 4-bit page past the float one
+    for stop_after in (5, None):
+        cache, before, calls = make_cache(model, KVConfig()), cpu.CALLS["decode"], []
+        steps = token_steps(model, ids, cache, Sampling(), 8)
+        out = []
+        for tok in steps:
+            out.append(tok)
+            calls.append(cpu.CALLS["decode"] - before)
+            if len(out) == stop_after:
+                steps.close()
+                break
+        assert calls == [(k + 1) * L for k in range(len(out))]  # the passes that computed tokens 0..k, no more
+        assert cache[0].offset == len(ids) + len(out) == len(ids) + (stop_after or 8)

@@ -10,10 +10,11 @@ from typing import List, Optional
 
 from ..config import KVConfig
 from .cache import PagedKV, PagedKVCache, PagedMask
+from .decode import kernel_serves
 from .pages import Page, PagePool, Sequence
 from .routing import route
 
-__all__ = ["make_cache", "fork_caches", "sequence_of", "PagedKVCache", "PagedKV", "PagedMask", "Page", "PagePool", "Sequence", "KVConfig"]
+__all__ = ["make_cache", "fork_caches", "sequence_of", "kernel_serves", "PagedKVCache", "PagedKV", "PagedMask", "Page", "PagePool", "Sequence", "KVConfig"]
 
 
 def make_cache(model, kv: Optional[KVConfig] = None, pool: Optional[PagePool] = None) -> List:

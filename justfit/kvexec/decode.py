@@ -120,6 +120,13 @@ def kernel_attention_batch(q, caches, scale: float):
     return None if o is None else o.reshape(B, Hq, D)
 
 
+def kernel_serves(caches) -> bool:
+    """True when a decode step over these sequences (one layer cache each) runs the CPU kernel, which evaluates
+    its inputs while the step is built: building the next step before reading the pending token then computes
+    it first, so the token would be read a step late for no overlap (generation.py, scheduler.py)."""
+    return bool(caches) and all(c.window is None and not c.dense and _kernel_pages(c) is not None for c in caches)
+
+
 def _kernel_pages(cache):
     """(sealed pages, (n, open page) or None) as the CPU kernel reads them, or None where it does not apply:
     another format, a partial sealed page, an open page in a dtype it does not read, no page read in 4 bits
