@@ -14,7 +14,6 @@ of it); JustFit's arithmetic is checked against the pool bytes of real sequences
 """
 
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -22,22 +21,19 @@ from pathlib import Path
 
 import typer
 
+from .stats import percentile, spread
+
 
 def _log(msg: str):
     print(msg, file=sys.stderr, flush=True)
-
-
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
 def _timings(t0, token_times):
     """throughput-independent latency fields from per-request token timestamps."""
     ttft = [ts[0] - t0 for ts in token_times if ts]
     itl = [b - a for ts in token_times for a, b in zip(ts, ts[1:])]
-    return {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-            "itl_p50_s": _pct(itl, 0.5), "itl_p99_s": _pct(itl, 0.99)}
+    return {"ttft_p50_s": percentile(ttft, 0.5, 0.0), "ttft_p99_s": percentile(ttft, 0.99, 0.0),
+            "itl_p50_s": percentile(itl, 0.5, 0.0), "itl_p99_s": percentile(itl, 0.99, 0.0)}
 
 
 def _prompts(rng, concurrency, prompt_tokens, shared, vocab):
@@ -246,9 +242,7 @@ def _median_row(system, conc, prompt_tokens, shared, gen, samples):
            "gen_tokens": gen, "rounds": len(samples)}
     for key in ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_memory_bytes",
                 "peak_over_start_bytes", "prefilled_tokens"):
-        xs = [s[key] for s in samples]
-        row[key] = statistics.median(xs)
-        row[f"{key}_min"], row[f"{key}_max"] = min(xs), max(xs)
+        row.update(spread(key, [s[key] for s in samples]))
     return row
 
 

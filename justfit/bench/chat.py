@@ -14,6 +14,8 @@ import time
 
 import typer
 
+from .stats import spread
+
 PROMPTS = [
     "Describe how a lighthouse keeper might spend a stormy night, in about one hundred words.",
     "Explain, step by step, how to check whether a number is prime, then give a short Python function.",
@@ -101,8 +103,7 @@ def run(model_spec: str, rounds: int, max_tokens: int) -> dict:
                "generated_tokens": statistics.median(x["tokens"] for x in rs),
                "reused_tokens": statistics.median(x["reused_tokens"] for x in rs)}
         for key in ("ttft_s", "decode_tok_s", "peak_memory_bytes"):
-            vals = [x[key] for x in rs]
-            row.update({key: statistics.median(vals), f"{key}_min": min(vals), f"{key}_max": max(vals)})
+            row.update(spread(key, [x[key] for x in rs]))
         rows.append(row)
     return {"bench": "chat", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
             "versions": {"justfit": justfit.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},

@@ -22,6 +22,8 @@ from typing import Optional
 
 import typer
 
+from .stats import spread
+
 SYSTEM_NAMES = ["mlx-lm-fp16", "mlx-lm-q4", "mlx-lm-q8", "justfit-fp16", "justfit-default", "justfit-q4-affine",
                 "justfit-q4-rotated", "justfit-q4-g32", "justfit-q4-rotkeys", "justfit-q4-rotkeys-g32", "justfit-k8v4",
                 "justfit-q4-chkeys", "justfit-q4-chkeys-g32", "justfit-nowindow"]
@@ -105,11 +107,6 @@ def _state(c):
     return flat
 
 
-def _stats(values, name):
-    """{name: median, name_min, name_max} of per-round values."""
-    return {name: statistics.median(values), f"{name}_min": min(values), f"{name}_max": max(values)}
-
-
 def _order(names, r):
     return names[r % len(names):] + names[: r % len(names)]
 
@@ -144,7 +141,7 @@ def decode_rows(model, systems, context: int, steps: int, rounds: int):
     del caches
     mx.clear_cache()
     return [{"kind": "decode", "system": n, "context": context, "fill": "synthetic", "decode_steps": steps,
-             "rounds": rounds, "kv_bytes": kv_bytes[n], **_stats(times[n], "decode_tok_s")} for n in systems]
+             "rounds": rounds, "kv_bytes": kv_bytes[n], **spread("decode_tok_s", times[n])} for n in systems]
 
 
 def _prefill_once(model, make, tokens, through: bool = False):
@@ -199,7 +196,7 @@ def prefill_rows(model, systems, context: int, rounds: int, layers: Optional[int
     return [{"kind": "prefill", "system": n, "context": context, "prefill_layers": n_layers, "rounds": rounds,
              "peak_memory_bytes": int(statistics.median(peak[n])),
              "peak_over_start_bytes": int(statistics.median(over[n])), "kv_bytes": int(kv[n]),
-             **_stats(tps[n], "prefill_tok_s")} for n in systems]
+             **spread("prefill_tok_s", tps[n])} for n in systems]
 
 
 def capacity_rows(model, systems, budgets, probe=(4096, 8192)):

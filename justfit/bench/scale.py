@@ -11,7 +11,6 @@ import json
 import os
 import queue
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ from collections import deque
 from typing import List, Optional
 
 import typer
+
+from .stats import spread
 
 POSITIONS = 512  # cached positions at which KV bytes per rank are measured (two 256-token pages)
 PROMPTS = ["Write a short story about a robot who learns to paint.", "Explain how a bicycle stays upright.",
@@ -173,8 +174,7 @@ def mlx_lm_round(rt, i: int, tokens: int) -> float:
 
 
 def summary(values: List[float], name: str) -> dict:
-    return {name: statistics.median(values), f"{name}_min": min(values), f"{name}_max": max(values),
-            "rounds": len(values)}
+    return {**spread(name, values), "rounds": len(values)}
 
 
 def scale(

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+
+from .stats import percentile, spread
 
 SYSTEM = ("You are a coding agent in a sandboxed repository. Read files before editing them, call one tool "
           "per step with JSON arguments, and run the tests after each change. Tools: read_file(path), "
@@ -179,20 +180,13 @@ async def run_phase(url: str, model: str, convs: List[List[List[dict]]], turns: 
     return results
 
 
-def _pct(xs: List[float], q: float) -> Optional[float]:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
 def summarize(reqs: List[dict]) -> dict:
     ttft = [r["ttft_s"] for r in reqs]
     gaps = [g for r in reqs for g in r["gaps"]]
     wall = max(r["end"] for r in reqs) - min(r["start"] for r in reqs)
     cached = [r["cached_tokens"] for r in reqs if r["cached_tokens"] is not None]
-    return {"requests": len(reqs), "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-            "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99),
+    return {"requests": len(reqs), "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99),
             "throughput_tok_s": sum(r["completion_tokens"] for r in reqs) / wall if wall > 0 else None,
             "cached_tokens": sum(cached) if cached else None}
 
@@ -288,9 +282,7 @@ def aggregate(raw: List[dict]) -> List[dict]:
         group = [r for r in raw if (r["system"], r["workload"], r["concurrency"]) == (system, workload, level)]
         row = {"system": system, "workload": workload, "concurrency": level, "rounds": len(group)}
         for m in METRICS:
-            vals = [r[m] for r in group if r.get(m) is not None]
-            row[m] = statistics.median(vals) if vals else None
-            row[m + "_min"], row[m + "_max"] = (min(vals), max(vals)) if vals else (None, None)
+            row.update(spread(m, [r.get(m) for r in group]))
         out.append(row)
     return out
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import typer
 
+from .stats import spread
+
 TURN_SIZES = (32, 64, 96, 128)
 
 
@@ -170,7 +172,6 @@ def _fork_rows(systems, rt, session, history, model, max_tokens):
 def _next_turn_rows(systems, session, histories, msg, rounds):
     """`rounds` x (each system in rotating order): the 64-token message on the whole history, time to the
     first token, then undone (session rewound, prompt cache trimmed back). Medians with min and max."""
-    import statistics
 
     times = {0: [], 1: [], 2: []}
     reused = {}
@@ -194,7 +195,7 @@ def _next_turn_rows(systems, session, histories, msg, rounds):
                     systems[k].cached = cached  # the next round starts from the same history
     names = ["mlx-lm-reprefill", "mlx-lm-prompt-cache", "justfit"]
     return [{"system": names[k], "phase": "next-turn", "history_tokens": len(session.tokens), "new_tokens": 64,
-             "rounds": rounds, "ttft_s": statistics.median(v), "ttft_s_min": min(v), "ttft_s_max": max(v),
+             "rounds": rounds, **spread("ttft_s", v),
              "reused_tokens": reused[k]} for k, v in times.items()]
 
 
@@ -202,7 +203,6 @@ def _restart_rows(folder, home, name, kv_bits, cache_file, next_msg, max_tokens,
     """Resume in new processes, one per round (the model load there is not timed): justfit restores the
     session; mlx-lm loads a prompt cache saved by hand; reprefill prefills the same history. The order
     of the three inside a process rotates each round; medians with min and max."""
-    import statistics
 
     per = {}
     for r in range(rounds):
@@ -216,7 +216,7 @@ def _restart_rows(folder, home, name, kv_bits, cache_file, next_msg, max_tokens,
     out = []
     for rows in per.values():
         v = [x["restore_s"] for x in rows]
-        row = dict(rows[-1], rounds=rounds, restore_s=statistics.median(v), restore_s_min=min(v), restore_s_max=max(v))
+        row = dict(rows[-1], rounds=rounds, **spread("restore_s", v))
         out.append(row)
     return out
 

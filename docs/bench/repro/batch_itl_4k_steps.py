@@ -24,7 +24,8 @@ from justfit.models import load
 from justfit.kvexec import make_cache
 from justfit.scheduler import Engine
 from justfit.statetrans.index import make_index
-from justfit.bench.batch import _pct, _prompts
+from justfit.bench.batch import _prompts
+from justfit.bench.stats import percentile
 
 conc, ptok, gen = (int(x) for x in sys.argv[1:4])
 model, tok = load("default")
@@ -59,5 +60,5 @@ for i, e in enumerate(log):
         fit = e[3] and tuple(float("%.3g" % x) for x in e[3])
         print(f"step {i}: decoders {e[0]} prefill rows {e[1]} cap {e[2]} fit {fit} {e[4]:.2f}s")
 itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
-print("itl p50 %.2f p99 %.2f max %.2f" % (_pct(itl, 0.5), _pct(itl, 0.99), _pct(itl, 1.0)))  # bench batch's percentiles
+print("itl p50 %.2f p99 %.2f max %.2f" % (percentile(itl, 0.5), percentile(itl, 0.99), percentile(itl, 1.0)))  # bench batch's percentiles
 print("last samples:", list(eng.chunks.samples)[-12:])
