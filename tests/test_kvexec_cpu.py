@@ -231,3 +231,24 @@ def test_generation_on_the_kernel_yields_each_token_before_feeding_it_and_feeds_
                 break
         assert calls == [(k + 1) * L for k in range(len(out))]  # the passes that computed tokens 0..k, no more
         assert cache[0].offset == len(ids) + len(out) == len(ids) + (stop_after or 8)
+
+
+def test_threaded_calls_give_the_single_thread_result_bit_for_bit(monkeypatch):
+    """A call past THREAD_WORK deals its (sequence, head) items to threads, each with its own scratch: every
+    item computes what one thread computes, so outputs are identical, for ragged sequences of every page kind."""
+    pool, H, rep, D = PagePool(1, P), 3, 3, 64
+    kv, rng, caches = KVConfig(page_size=P, quantized_kv_start=P), np.random.default_rng(9), []
+    for n in (1700, 130, 1500, 64 * 9):
+        c = PagedKVCache(Sequence(pool), 0, kv)
+        c.for_batch()
+        c.update_and_fetch(*(mx.array(rng.standard_normal((1, H, n, D)).astype(np.float32)) for _ in "kv"))
+        caches.append(c)
+    q = mx.array(rng.standard_normal((len(caches), H * rep, D)).astype(np.float32))
+    monkeypatch.delenv("JUSTFIT_CPU_THREADS", raising=False)
+    assert cpu.threads((1700 + 130 + 1500 + 576) * H * rep, len(caches) * H) == min(len(os.sched_getaffinity(0)), 12)
+    monkeypatch.setenv("JUSTFIT_CPU_THREADS", "1")
+    one = np.array(decode.kernel_attention_batch(q, caches, 0.125))
+    for n in ("2", "3", "16"):
+        monkeypatch.setenv("JUSTFIT_CPU_THREADS", n)
+        np.testing.assert_array_equal(np.array(decode.kernel_attention_batch(q, caches, 0.125)), one)
+    assert cpu.threads(cpu.THREAD_WORK - 1, 12) == 1

@@ -4,7 +4,8 @@ MLX has no custom-kernel API for its CPU backend, and its CPU `quantized_matmul`
 time in scalar code: decode over 4-bit pages ran no faster than mlx-lm's float32 cache over 7x the bytes
 (issue 12). q4.c unpacks each code once for every query row of its KV head, in AVX2 vectors, and does a
 layer's whole attention over all its pages (sealed 4-bit, bfloat16, the float32 open page) in one call,
-reading the pages where they are (docs/bench/repro/cpu_q4_kernel.py has the timings).
+reading the pages where they are (docs/bench/repro/cpu_q4_kernel.py has the timings). One call takes every
+sequence of a batch and, past THREAD_WORK, deals their heads to one thread per CPU (`threads`).
 
 Built with the system C compiler (`$CC`, else cc or gcc) into JUSTFIT_HOME/kernels/, once per source
 version. It runs where MLX computes on the CPU of an x86-64 machine with AVX2 and FMA; anywhere else, with
@@ -28,11 +29,15 @@ import mlx.core as mx
 import numpy as np
 
 SOURCE = Path(__file__).with_name("q4.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
 CALLS = Counter()  # "decode": layer calls the kernel served (tests and benches check that it ran)
 QUANT, BF16, F32 = 0, 1, 2  # page kinds q4.c reads
 PAGE = np.dtype([("kind", np.int32), ("n", np.int32), ("k", np.uintp), ("ks", np.uintp), ("kb", np.uintp),
                  ("v", np.uintp), ("vs", np.uintp), ("vb", np.uintp), ("hs", np.int64)], align=True)  # page_t
+SEQ = np.dtype([("q", np.uintp), ("pages", np.uintp), ("np", np.int32), ("out", np.uintp)], align=True)  # seq_t
+THREAD_WORK = 32768  # tokens x query rows of a call below which one thread does it all (~0.4 ms at head dim 64:
+# more than starting and joining a second thread costs)
+MAX_THREADS = 16  # q4.c's cap
 _state = {"lib": None, "tried": False, "why": ""}
 _lock = threading.Lock()
 
@@ -93,8 +98,8 @@ def _load():
         detail = getattr(e, "stderr", None) or str(e) or type(e).__name__
         _state["why"] = "build failed: " + (detail.decode(errors="replace") if isinstance(detail, bytes) else detail)[:300]
         return None
-    lib.q4_decode.restype = ctypes.c_int
-    lib.q4_decode.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+    lib.q4_decode_batch.restype = ctypes.c_int
+    lib.q4_decode_batch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 5
     return lib
 
 
@@ -137,16 +142,34 @@ def page_row(kind: int, n: int, keys, values) -> tuple:
 def decode(q: mx.array, tables, page_size: int) -> Optional[mx.array]:
     """softmax(q k^T) v for B sequences, each over the pages of its table (PAGE records in token order, their
     arrays evaluated); q [B, X, R, D] float32, pre-scaled and evaluated -> [B, X, R, D] float32, or None if
-    the kernel declines one."""
+    the kernel declines one. One call for all B: q4.c deals their heads to threads (see threads())."""
     B, X, R, D = q.shape
     qh = _host(q)
     out = np.empty((B, X, R, D), np.float32)
-    scratch = np.empty(4 * max(int(rows["n"].sum()) for rows in tables), np.float32)
-    step, lib = X * R * D * 4, library()
-    for b, rows in enumerate(tables):
-        pointers = [ctypes.c_void_p(qh.ctypes.data + b * step), ctypes.c_void_p(rows.ctypes.data), len(rows),
-                    ctypes.c_void_p(out.ctypes.data + b * step), ctypes.c_void_p(scratch.ctypes.data)]
-        if lib.q4_decode(*pointers, X, R, D, page_size) != 0:
-            return None
+    tokens = [int(rows["n"].sum()) for rows in tables]
+    n = threads(sum(tokens) * X * R, B * X * -(-R // 4))
+    per_thread = 4 * max(tokens)
+    scratch = np.empty(n * per_thread, np.float32)
+    step = X * R * D * 4
+    seqs = np.zeros(B, SEQ)
+    seqs["q"] = qh.ctypes.data + step * np.arange(B, dtype=np.uintp)
+    seqs["out"] = out.ctypes.data + step * np.arange(B, dtype=np.uintp)
+    seqs["pages"] = [rows.ctypes.data for rows in tables]
+    seqs["np"] = [len(rows) for rows in tables]
+    if library().q4_decode_batch(seqs.ctypes.data, B, scratch.ctypes.data, per_thread, X, R, D, page_size, n) != 0:
+        return None
     CALLS["decode"] += 1
     return mx.array(out)
+
+
+def threads(work: int, items: int) -> int:
+    """Threads for a call of `work` tokens x query rows in `items` head items: the CPUs this process may use
+    (MLX's own threads are idle, decode evaluated its inputs first), one below THREAD_WORK;
+    JUSTFIT_CPU_THREADS caps it."""
+    if work < THREAD_WORK:
+        return 1
+    cap = os.environ.get("JUSTFIT_CPU_THREADS")
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cap is not None and cap.isdigit() and int(cap) >= 1:
+        n = min(n, int(cap))
+    return max(1, min(n, items, MAX_THREADS))

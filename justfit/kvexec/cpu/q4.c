@@ -6,9 +6,10 @@
    once into 8-lane vectors and uses it for every query row of its KV head (grouped-query attention: 3-4
    rows), and does the layer's whole attention (scores, softmax, values) over every page in one call.
 
-   q4_decode(q, pages, np, out, scratch, X, R, D, P): out[x, r] = softmax(q[x, r] k^T) v over the pages in
-   token order, for X KV heads with R query rows each. q [X, R, D] float32, pre-scaled; out [X, R, D];
-   scratch holds 4 x (all tokens) floats. A page (page_t) is
+   q4_decode_batch(seqs, B, scratch, per_thread, X, R, D, P, threads): for each of B sequences (seq_t: q,
+   its pages, np of them, out), out[x, r] = softmax(q[x, r] k^T) v over its pages in token order, for X KV
+   heads with R query rows each. q [X, R, D] float32, pre-scaled; out [X, R, D]; scratch holds `threads`
+   blocks of per_thread >= 4 x (the longest sequence's tokens) floats. A page (page_t) is
      kind 0: a sealed 4-bit page of P tokens. Keys: each channel quantized along 64-token groups, codes
              [X, P/64, D, 8] uint32 (token 8w + j of a group at bits 4j of word w), scales and biases
              [X, P/64, D, 1] bfloat16. Values: `mx.quantize` along D in 64-element groups, codes
@@ -22,7 +23,9 @@
    caller then runs MLX's path). */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define AI static inline __attribute__((always_inline))
@@ -213,24 +216,86 @@ AI void decode_rows(const float* q, const page_t* pages, int np, float* o, float
         for (int d = 0; d < D; d++) o[(size_t)r * D + d] /= l[r];
 }
 
-int q4_decode(const float* q, const page_t* pages, int np, float* out, float* scratch, int X, int R, int D, int P) {
-    if (X <= 0 || R <= 0 || np <= 0 || D <= 0 || D % 64 || D > 256 || P <= 0 || P % 64) return -1;
+/* The tokens of a valid page list (what scores hold per row), or 0 for one the kernel does not take. */
+static size_t checked_tokens(const page_t* pages, int np, int P) {
     size_t S = 0;
+    if (np <= 0) return 0;
     for (int i = 0; i < np; i++) {
         const page_t* pg = &pages[i];
-        if (pg->kind < 0 || pg->kind > 2 || pg->n <= 0 || pg->n > P || (pg->kind == 0 && pg->n != P)) return -1;
+        if (pg->kind < 0 || pg->kind > 2 || pg->n <= 0 || pg->n > P || (pg->kind == 0 && pg->n != P)) return 0;
         S += pg->n;
     }
-    for (int x = 0; x < X; x++)
-        for (int r0 = 0; r0 < R; r0 += 4) {
-            const float* qx = q + ((size_t)x * R + r0) * D;
-            float* ox = out + ((size_t)x * R + r0) * D;
-            switch (R - r0 < 4 ? R - r0 : 4) {
-                case 1: decode_rows(qx, pages, np, ox, scratch, S, x, D, P, 1); break;
-                case 2: decode_rows(qx, pages, np, ox, scratch, S, x, D, P, 2); break;
-                case 3: decode_rows(qx, pages, np, ox, scratch, S, x, D, P, 3); break;
-                default: decode_rows(qx, pages, np, ox, scratch, S, x, D, P, 4); break;
-            }
+    return S;
+}
+
+/* Rows r0.. (up to 4) of head x of one sequence. */
+static void decode_item(const float* q, const page_t* pages, int np, float* out, float* scratch, size_t S, int x,
+                        int r0, int R, int D, int P) {
+    const float* qx = q + ((size_t)x * R + r0) * D;
+    float* ox = out + ((size_t)x * R + r0) * D;
+    switch (R - r0 < 4 ? R - r0 : 4) {
+        case 1: decode_rows(qx, pages, np, ox, scratch, S, x, D, P, 1); break;
+        case 2: decode_rows(qx, pages, np, ox, scratch, S, x, D, P, 2); break;
+        case 3: decode_rows(qx, pages, np, ox, scratch, S, x, D, P, 3); break;
+        default: decode_rows(qx, pages, np, ox, scratch, S, x, D, P, 4); break;
+    }
+}
+
+/* B sequences in one call: seq_t b is q [X, R, D] -> out [X, R, D] over its own pages. The work items (a
+   sequence's head and up to 4 of its rows) are dealt round-robin to `threads` threads (this one included),
+   each with its own scratch of `per_thread` floats (4 x the longest sequence's tokens): decode synchronizes
+   MLX first, so its CPU threads are idle while this runs. */
+typedef struct {
+    const float* q;
+    const page_t* pages;
+    int np;
+    float* out;
+} seq_t;
+
+typedef struct {
+    const seq_t* seqs;
+    const size_t* S;
+    int B, X, R, D, P, t, threads;
+    float* scratch;
+} job_t;
+
+static void* run_job(void* arg) {
+    const job_t* j = (const job_t*)arg;
+    const int per_head = (j->R + 3) / 4, items = j->B * j->X * per_head;
+    for (int i = j->t; i < items; i += j->threads) {
+        const int b = i / (j->X * per_head), x = (i / per_head) % j->X, r0 = 4 * (i % per_head);
+        const seq_t* s = &j->seqs[b];
+        decode_item(s->q, s->pages, s->np, s->out, j->scratch, j->S[b], x, r0, j->R, j->D, j->P);
+    }
+    return NULL;
+}
+
+#define MAX_THREADS 16
+
+int q4_decode_batch(const seq_t* seqs, int B, float* scratch, size_t per_thread, int X, int R, int D, int P,
+                    int threads) {
+    if (B <= 0 || X <= 0 || R <= 0 || D <= 0 || D % 64 || D > 256 || P <= 0 || P % 64) return -1;
+    size_t* S = malloc(sizeof(size_t) * (size_t)B);
+    if (S == NULL) return -1;
+    for (int b = 0; b < B; b++) {
+        S[b] = checked_tokens(seqs[b].pages, seqs[b].np, P);
+        if (S[b] == 0 || 4 * S[b] > per_thread) {
+            free(S);
+            return -1;
         }
+    }
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    job_t jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < threads; t++)
+        jobs[t] = (job_t){seqs, S, B, X, R, D, P, t, threads, scratch + (size_t)t * per_thread};
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, run_job, &jobs[t]) == 0;
+    run_job(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else run_job(&jobs[t]);  /* a thread that could not start: its items run here */
+    }
+    free(S);
     return 0;
 }
