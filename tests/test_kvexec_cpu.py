@@ -182,7 +182,7 @@ def test_batched_engine_decodes_through_the_kernel_with_no_float_copies(runtime1
             logits = model(mx.array([[t]]), cache=caches)[0, -1]
 
 
-def test_kernel_served_steps_publish_their_tokens_without_computing_the_next_pass(runtime16):
+def test_kernel_served_steps_publish_their_tokens_without_computing_the_next_pass(runtime16, monkeypatch):
     """Where the kernel serves batched decode, a step computes its own pass only: the kernel evaluates while a
     pass is built, so queueing the next one would compute it before this step's tokens are published (each a
     step late). After every step each running request's pages hold its prompt and all its tokens but the last
@@ -194,16 +194,13 @@ def test_kernel_served_steps_publish_their_tokens_without_computing_the_next_pas
 
     def ahead_of_published(env):
         """Per step, tokens each running request's caches hold beyond prompt + published - 1."""
-        os.environ["JUSTFIT_CPU_KERNELS"] = env
-        try:
-            eng = Engine(model, runtime16.tokenizer, lambda: make_cache(model, kv), kv=kv)
-            reqs, seen, before = [eng.submit(p, max_tokens=6) for p in prompts], set(), cpu.CALLS["decode"]
-            while not all(r.done for r in reqs):
-                eng.step()
-                seen |= {r.caches[0].offset - (len(r.prompt) + len(r.out) - 1) for r in reqs if r.out and not r.done}
-            return seen, cpu.CALLS["decode"] - before
-        finally:
-            os.environ.pop("JUSTFIT_CPU_KERNELS")
+        monkeypatch.setenv("JUSTFIT_CPU_KERNELS", env)  # restored after the test, whatever it was before
+        eng = Engine(model, runtime16.tokenizer, lambda: make_cache(model, kv), kv=kv)
+        reqs, seen, before = [eng.submit(p, max_tokens=6) for p in prompts], set(), cpu.CALLS["decode"]
+        while not all(r.done for r in reqs):
+            eng.step()
+            seen |= {r.caches[0].offset - (len(r.prompt) + len(r.out) - 1) for r in reqs if r.out and not r.done}
+        return seen, cpu.CALLS["decode"] - before
 
     seen, calls = ahead_of_published("1")
     assert calls >= 3 * len(model.layers) and seen == {0}

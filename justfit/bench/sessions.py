@@ -172,7 +172,6 @@ def _fork_rows(systems, rt, session, history, model, max_tokens):
 def _next_turn_rows(systems, session, histories, msg, rounds):
     """`rounds` x (each system in rotating order): the 64-token message on the whole history, time to the
     first token, then undone (session rewound, prompt cache trimmed back). Medians with min and max."""
-
     times = {0: [], 1: [], 2: []}
     reused = {}
     for r in range(rounds):
@@ -203,7 +202,6 @@ def _restart_rows(folder, home, name, kv_bits, cache_file, next_msg, max_tokens,
     """Resume in new processes, one per round (the model load there is not timed): justfit restores the
     session; mlx-lm loads a prompt cache saved by hand; reprefill prefills the same history. The order
     of the three inside a process rotates each round; medians with min and max."""
-
     per = {}
     for r in range(rounds):
         cmd = [sys.executable, "-m", "justfit.bench.sessions", str(folder), str(home), name, str(kv_bits),
