@@ -20,10 +20,10 @@ def __getattr__(name):
         from . import turns
 
         return getattr(turns, name)
-    if name == "load":
-        from .models import load
+    if name in ("load", "vocab_size"):
+        from . import models
 
-        return load
+        return getattr(models, name)
     if name == "make_cache":
         from .kvexec import make_cache
 
@@ -35,5 +35,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'justfit' has no attribute {name!r}")
 
 
-__all__ = ["KVConfig", "UserError", "MemoryBudgetError", "Runtime", "load", "make_cache", "Session",
+__all__ = ["KVConfig", "UserError", "MemoryBudgetError", "Runtime", "load", "vocab_size", "make_cache", "Session",
            "Generation", "Chunk", "TurnStats"]

@@ -4,6 +4,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
 
+import justfit
 from justfit import TurnStats
 from justfit.grammar import Constraint, choice_name, lark_grammar
 from justfit.toolcalls import FINISH_TEXT, FINISH_TOOL, describe, detect
@@ -337,8 +338,7 @@ def _totals(steps: List[Step]) -> dict:
 
 
 def _vocab_size(model) -> int:
-    args = getattr(model, "args", None)
-    n = getattr(args, "vocab_size", None)
-    if n:
-        return int(n)
-    return int(model.model.embed_tokens.weight.shape[0])
+    n = justfit.vocab_size(model)
+    if not n:
+        raise justfit.UserError(f"cannot tell the vocabulary size of {type(model).__name__}")
+    return int(n)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import typer
 
+from .baseline import mlx_lm_layout
+
 NOTES = {
     "README.md": "# Project Falcon\nA small weather station network. See notes/ for plans and status.\n",
     "notes/plan.md": "Plan: install 12 stations by June. Budget 40,000 EUR. Owner: Dana Ortiz.\n",
@@ -151,7 +153,8 @@ def agent(
     rt.ensure_resident()  # mlx-lm calls rt.model itself: the weights the agent's tool phases released come back
     for reuse in (False, True):
         log(f"mlx-lm {'prompt cache' if reuse else 're-prefill'} ...")
-        r, w = _mlx_lm(rt.model, work, reuse)
+        with mlx_lm_layout(rt.model):  # the weights as mlx_lm.load lays them out
+            r, w = _mlx_lm(rt.model, work, reuse)
         rows += r
         walls[r[0]["system"]] = w
     totals = _totals(rows, walls)

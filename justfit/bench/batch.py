@@ -21,6 +21,7 @@ from pathlib import Path
 
 import typer
 
+from .baseline import mlx_lm_layout
 from .stats import percentile, spread
 
 
@@ -68,7 +69,13 @@ def run_justfit(model, tokenizer, kv, home, prompts, gen):
 
 
 def run_mlx_lm(model, prompts, gen):
-    """mlx-lm's BatchGenerator (no stop tokens: exactly `gen` tokens each), all prompts inserted at once."""
+    """mlx-lm's BatchGenerator (no stop tokens: exactly `gen` tokens each), all prompts inserted at once,
+    on the weights as mlx_lm.load lays them out."""
+    with mlx_lm_layout(model):
+        return _run_batch_generator(model, prompts, gen)
+
+
+def _run_batch_generator(model, prompts, gen):
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
@@ -166,11 +173,13 @@ def wide_model(layers: int, vocab_size: int, ffn: int = WIDE["intermediate_size"
 
 
 def _load(model_spec, wide_layers: int):
-    from justfit.models import load
+    from justfit.models import layout, load
 
     model, tokenizer = load(model_spec)
     if wide_layers:
         model = wide_model(wide_layers, int(model.args.vocab_size))  # the default model's tokenizer decodes it
+        if layout.enabled():
+            layout.row_major(model)  # as justfit.load lays out a real model of these shapes
     return model, tokenizer
 
 
@@ -227,6 +236,8 @@ def run(model_spec, concurrencies, prompt_lengths, shared, gen, rounds, budget, 
             "throughput_tok_s": "generated tokens / wall time from submission to the last token",
             "peak_memory_bytes": "mx.get_peak_memory() over the run: weights + KV + workspace",
             "peak_over_start_bytes": "peak minus the memory active at submission (the weights): KV + workspace",
+            "layout": "mlx-lm-batch runs the weights in mlx-lm's layout (W [out, in]), justfit in JustFit's "
+                      "(row-major on the CPU, models/layout.py)",
             "capacity": "layout arithmetic under budget_bytes (KV only), for unrelated sequences and for sequences "
                         "sharing the workload's prefix (shared_prefix_tokens, whole pages); justfit's page arithmetic "
                         f"checked against the pool bytes of two real {check['tokens']}-token sequences forked from "

@@ -14,6 +14,7 @@ import time
 
 import typer
 
+from .baseline import mlx_lm_layout
 from .stats import spread
 
 PROMPTS = [
@@ -62,11 +63,12 @@ def _mlx_lm(model, tokenizer, ids, max_tokens):
     import mlx.core as mx
     from mlx_lm import stream_generate
 
-    mx.clear_cache()
-    mx.reset_peak_memory()
     eos = set(tokenizer.eos_token_ids)
-    chunks = (r for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens) if r.token not in eos)
-    ttft, tps, n = _timed(chunks)
+    with mlx_lm_layout(model):  # the weights as mlx_lm.load lays them out
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        chunks = (r for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens) if r.token not in eos)
+        ttft, tps, n = _timed(chunks)
     return {"ttft_s": ttft, "decode_tok_s": tps, "tokens": n, "peak_memory_bytes": mx.get_peak_memory(),
             "reused_tokens": 0}
 
@@ -110,7 +112,8 @@ def run(model_spec: str, rounds: int, max_tokens: int) -> dict:
             "default_kv": vars(rt.kv), "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
             "notes": {"timing": f"median of {rounds} interleaved rounds, fresh prompt per round, greedy, _min/_max",
                       "justfit": "Runtime.stream(prompt): the path of `justfit chat` (default KVConfig, prefix reuse on)",
-                      "mlx-lm": "mlx_lm.stream_generate on the same token ids, its default KVCache"},
+                      "mlx-lm": "mlx_lm.stream_generate on the same token ids, its default KVCache, the weights in "
+                                "mlx-lm's layout (W [out, in]; justfit's are row-major on the CPU, models/layout.py)"},
             "rows": rows}
 
 

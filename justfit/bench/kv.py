@@ -22,6 +22,7 @@ from typing import Optional
 
 import typer
 
+from .baseline import layout_for
 from .stats import spread
 
 SYSTEM_NAMES = ["mlx-lm-fp16", "mlx-lm-q4", "mlx-lm-q8", "justfit-fp16", "justfit-default", "justfit-q4-affine",
@@ -131,11 +132,12 @@ def decode_rows(model, systems, context: int, steps: int, rounds: int):
     for r in range(rounds):
         for name in _order(systems, r):
             c, tok = caches[name], token
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                tok = mx.argmax(model(tok, cache=c)[:, -1:], axis=-1)
-                mx.eval(tok)
-            times[name].append(steps / (time.perf_counter() - t0))
+            with layout_for(name, model):
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    tok = mx.argmax(model(tok, cache=c)[:, -1:], axis=-1)
+                    mx.eval(tok)
+                times[name].append(steps / (time.perf_counter() - t0))
             for layer in c:  # back to `context` so every round times the same length
                 layer.trim(steps)
     del caches
@@ -187,7 +189,8 @@ def prefill_rows(model, systems, context: int, rounds: int, layers: Optional[int
         _prefill_once(model, makes[systems[0]], tokens[: min(context, 64)])  # warm-up, excluded
         for r in range(rounds):
             for name in _order(systems, r):
-                t, p, o, k = _prefill_once(model, makes[name], tokens)
+                with layout_for(name, model):
+                    t, p, o, k = _prefill_once(model, makes[name], tokens)
                 tps[name].append(t)
                 peak.setdefault(name, []).append(p)
                 over.setdefault(name, []).append(o)
@@ -346,6 +349,8 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
                         "step of the search, workspace_measured_in_search) fit budget_bytes; kv_only_positions: KV alone",
             "quality": "see kv_quality.py: teacher-forced replay of fp16 greedy trajectories through each cache",
             "mlx-lm-fp16": "mlx-lm KVCache in the model's compute dtype (float32 on CPU)",
+            "layout": "mlx-lm rows run the weights in mlx-lm's layout (W [out, in]), justfit rows in JustFit's "
+                      "(row-major on the CPU, models/layout.py); decode rows differ in the cache and the layout",
         },
         "rows": rows,
         "quality": quality,

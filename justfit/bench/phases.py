@@ -11,6 +11,8 @@ import time
 
 import typer
 
+from .baseline import mlx_lm_layout
+
 FILE = ("import os\n\n\ndef walk(root):\n    \"\"\"Yield every file under root.\"\"\"\n    for d, _, files in os.walk(root):\n"
         "        for f in files:\n            yield os.path.join(d, f)\n\n\ndef total_size(root):\n"
         "    return sum(os.path.getsize(p) for p in walk(root))\n")
@@ -123,7 +125,7 @@ def mlx_lm_turns(rt, workload, tokens, tool_mb, tool_s, rows):
         msgs = history + [{"role": "user", "content": text}]
         ids = rt.encode(msgs)
         reuse = _reuse(cache, cached, ids)
-        with Sampler() as s:
+        with mlx_lm_layout(rt.model), Sampler() as s:  # the weights as mlx_lm.load lays them out
             toks, tps = _decode(generate_step(mx.array(ids[reuse:]), rt.model, max_tokens=tokens, prompt_cache=cache), eos)
         cached = ids + toks
         history = msgs + [{"role": "assistant", "content": rt.tokenizer.decode(toks)}]

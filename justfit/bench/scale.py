@@ -20,6 +20,7 @@ from typing import List, Optional
 
 import typer
 
+from .baseline import mlx_lm_layout
 from .stats import spread
 
 POSITIONS = 512  # cached positions at which KV bytes per rank are measured (two 256-token pages)
@@ -42,10 +43,11 @@ def kv_per_rank(rt) -> int:
     import mlx.core as mx
 
     from ..kvexec import make_cache
+    from ..models import vocab_size
 
     rt.ensure_resident()
     caches = make_cache(rt.model, rt.kv)  # its own pool: the runtime's prefix index stays as it was
-    vocab = rt.model.model.embed_tokens.weight.shape[0]
+    vocab = vocab_size(rt.model)
     ids = mx.array([[(17 * i + 5) % vocab for i in range(POSITIONS)]])
     for i in range(0, POSITIONS, 128):
         rt.model(ids[:, i:i + 128], cache=caches)
@@ -64,8 +66,7 @@ def collective_s_per_token(rt, reps: int = 50) -> float:
     w, s = world(), rt.sharding
     if s.world_size == 1:
         return 0.0
-    hidden = rt.model.model.embed_tokens.weight.shape[-1]
-    x = mx.ones((1, 1, hidden))
+    x = mx.ones_like(rt.model.model.embed_tokens(mx.array([[0]])))  # [1, 1, hidden], whatever the table's layout
     mx.eval(x)
 
     def one_token():
@@ -169,7 +170,8 @@ def mlx_lm_round(rt, i: int, tokens: int) -> float:
     model, tokenizer = rt.model, rt.tokenizer
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                                            add_generation_prompt=True)
-    last = deque(stream_generate(model, tokenizer, prompt, max_tokens=tokens), maxlen=1)[0]
+    with mlx_lm_layout(model):  # the weights as mlx_lm.load lays them out
+        last = deque(stream_generate(model, tokenizer, prompt, max_tokens=tokens), maxlen=1)[0]
     return last.generation_tps
 
 

@@ -99,8 +99,13 @@ def shard_model(model, group=None, kind: Optional[str] = None) -> Sharding:
         from ..statetrans.hashing import model_fingerprint
 
         base = model_fingerprint(model)  # of the whole model, before the cut
-    if kind == "tensor":
+    if kind == "tensor":  # mlx-lm's sharding cuts nn.Linear weights [out, in]: back to that layout for the cut
+        from ..models import layout
+
+        restore = layout.standard(model)
         model.shard(w.group)
+        if restore:
+            layout.row_major(model)
     elif kind == "pipeline":
         from .pipeline import pipeline
 

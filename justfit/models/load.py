@@ -76,6 +76,8 @@ def load(spec: str = "default", home=None, weights: str = None):
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load as mlx_load
 
+    from . import layout
+
     path = resolve(spec, home)
     try:
         model, tokenizer = mlx_load(path)
@@ -95,6 +97,8 @@ def load(spec: str = "default", home=None, weights: str = None):
     if backend() == "cpu":
         _to_float32(model)
     mx.eval(model.parameters())
+    if layout.enabled():
+        layout.row_major(model)  # x @ W, not x @ W.T: ~18% faster decode on the CPU (layout.py)
     model.justfit_weights = policy
     model.justfit_path = path
     return model, tokenizer

@@ -18,8 +18,8 @@ def vocab_size(model) -> Optional[int]:
         for owner in (model, getattr(model, "model", None)):
             emb = getattr(owner, name, None) if owner is not None else None
             w = getattr(emb, "weight", None)
-            if w is not None and len(getattr(w, "shape", ())) == 2:
-                return int(w.shape[0])
+            if w is not None and len(getattr(w, "shape", ())) == 2:  # a row-major table is [dims, rows]
+                return int(w.shape[-1] if type(emb).__name__ == "RowMajorEmbedding" else w.shape[0])
     return None
 
 

@@ -57,9 +57,12 @@ class WeightSource:
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
+        from ..models import layout
+
         self.model = model
         self.path = Path(getattr(model, "justfit_path", "") or "")
         self.params = {k: (v.shape, v.dtype) for k, v in tree_flatten(model.parameters())}
+        self.transposed = layout.row_major_names(model)  # stored W^T in memory, W in the folder
         self.files: Dict[str, str] = {}
         config = self.path / "config.json"
         self.quant = json.loads(config.read_text()).get("quantization", {}) if config.exists() else {}
@@ -87,6 +90,8 @@ class WeightSource:
                 q = {**self.quant, **self.quant.get(base, {})}
                 arr = mx.dequantize(arr, tensors[f"{base}.scales"], tensors.get(f"{base}.biases"),
                                     q.get("group_size", 64), q.get("bits", 4), q.get("mode", "affine"))
+            if name in self.transposed:
+                arr = mx.contiguous(arr.T)
             shape, dtype = self.params[name]
             if arr.dtype != dtype and arr.dtype in (mx.float16, mx.bfloat16, mx.float32):
                 arr = arr.astype(dtype)
