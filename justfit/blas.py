@@ -31,8 +31,9 @@ def reference_blas_bundled() -> bool:
     spec = importlib.util.find_spec("mlx")
     if spec is None or not spec.submodule_search_locations:
         return False
-    site = Path(list(spec.submodule_search_locations)[0]).parent
-    return any((site / "mlx_cpu.libs").glob("libblas*.so*"))
+    # every location: a folder named mlx in the working directory (an MLX checkout) comes first in the
+    # namespace path and holds no wheel libraries
+    return any(any((Path(loc).parent / "mlx_cpu.libs").glob("libblas*.so*")) for loc in spec.submodule_search_locations)
 
 
 def openblas_path() -> Optional[str]:

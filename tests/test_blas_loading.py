@@ -78,6 +78,15 @@ def test_import_justfit_loads_openblas_or_warns():
     assert "slow reference BLAS" not in off.stderr  # turned off on purpose: no warning
 
 
+@needs_openblas
+def test_a_folder_named_mlx_in_the_working_directory_does_not_hide_the_wheel(tmp_path):
+    """Run from an MLX checkout: ./mlx shadows the wheel's path in the `mlx` namespace; OpenBLAS still loads."""
+    (tmp_path / "mlx").mkdir()
+    code = "import justfit, mlx.core as mx; from justfit.blas import active_blas; print(active_blas())"
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "openblas"
+
+
 SPIN = """
 import resource, time
 import justfit, mlx.core as mx
