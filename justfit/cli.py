@@ -303,7 +303,7 @@ def info():
     from .blas import active_blas
     from .config import home
     from .kvexec import cpu as cpu_kernel
-    from .models import backend
+    from .models import backend, layout
     from .phaseswap.budget import Budget, parse_budget
 
     be = backend()
@@ -316,7 +316,9 @@ def info():
         ("device memory", f"{mem / 2**30:.1f} GiB"),
         ("available memory", f"{psutil.virtual_memory().available / 2**30:.1f} GiB"),
         ("justfit", __version__), ("mlx", version("mlx")), ("mlx-lm", version("mlx-lm")),
-        ("blas", active_blas()), ("weights", weights), ("JUSTFIT_HOME", str(home())),
+        ("blas", active_blas()), ("weights", weights),
+        ("weight layout", "row-major x @ W (CPU decode; JUSTFIT_ROW_MAJOR=0: off)" if layout.enabled() else "as stored"),
+        ("JUSTFIT_HOME", str(home())),
         ("memory budget", Budget(parse_budget(os.environ.get("JUSTFIT_MEMORY_BUDGET"))).describe()),
         ("tool sandbox", __import__("justfit_agents.sandbox", fromlist=["describe"]).describe()),  # issue 15
         ("cpu 4-bit kernel", cpu_kernel.status()),  # kvexec/cpu: decode over 4-bit pages on x86-64 CPUs
