@@ -97,3 +97,17 @@ def test_switched_off_by_environment(default_model_dir, monkeypatch):
     monkeypatch.setenv("JUSTFIT_ROW_MAJOR", "0")
     model, _ = justfit.load(str(default_model_dir))
     assert type(model.layers[0].mlp.up_proj) is nn.Linear
+
+
+def test_switching_holds_one_extra_weight_at_a_time(default_model_dir):
+    """Each module is converted and its old array freed before the next: never both layouts of the model."""
+    model, _ = justfit.load(str(default_model_dir))
+    largest = max(m.weight.nbytes for _, m in model.named_modules()
+                  if isinstance(m, (layout.RowMajorLinear, layout.RowMajorEmbedding)))
+    for switch in (layout.standard, layout.row_major):
+        mx.synchronize()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        assert switch(model) > 0
+        assert mx.get_peak_memory() - before <= 1.25 * largest, switch.__name__

@@ -82,15 +82,16 @@ def row_major_names(model) -> frozenset:
                      if isinstance(m, (RowMajorLinear, RowMajorEmbedding)))
 
 
-def _children(model):
-    """(owner, key, child) for every direct child module (list children keyed by index)."""
+def _slots(model):
+    """(owner, key) of every direct child module (a list's children keyed by index). Slots, not modules:
+    holding every old module until the end would keep both layouts of the weights alive at once."""
     out = []
     for _, owner in model.named_modules():
         for key, child in owner.children().items():
             if isinstance(child, nn.Module):
-                out.append((owner, key, child))
+                out.append((owner, key))
             elif isinstance(child, list):
-                out += [(child, i, c) for i, c in enumerate(child) if isinstance(c, nn.Module)]
+                out += [(child, i) for i, c in enumerate(child) if isinstance(c, nn.Module)]
     return out
 
 
@@ -132,15 +133,17 @@ def _standard(child):
 
 def _swap(model, wanted, convert) -> int:
     n = 0
-    for owner, key, child in _children(model):
+    for owner, key in _slots(model):
+        child = owner[key] if isinstance(owner, list) else getattr(owner, key)
         if not wanted(key, child):
             continue
         new = convert(child)
-        mx.eval(new.parameters())  # now, so the old layout's array is freed with `child`
+        mx.eval(new.parameters())
         if isinstance(owner, list):
             owner[key] = new
         else:
             setattr(owner, key, new)
+        del child, new  # the old layout's array is freed here, before the next module is converted
         n += 1
     return n
 
