@@ -8,15 +8,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from justfit.config import KVConfig
 from justfit.kvexec import PagedKVCache, make_cache
 
-from .kvexec_families import build, families
+from .kvexec_families import SPECIAL, build, families
 
 PROMPT = [(5 * i + 3) % 120 + 1 for i in range(40)]  # > 2 pages of 16 tokens, and past the sliding window (8)
-SPECIAL = {  # families that need inputs or a backend this test does not provide
-    "bitnet": "needs a Metal kernel (no Metal backend on CPU)",
-    "olmo": "needs the ai2-olmo package",
-    "prism_hadamard_qwen35": "needs a Hadamard-packed checkpoint, not a random config",
-    "phi3small": "MLX crashes (SIGSEGV in RoPE) on the generic tiny config: block-sparse attention needs its own",
-}
 DIFFERS = {  # families where mlx-lm's own cache and its mask disagree; KVExec follows the mask
     "plamo3": "mlx-lm masks window_size + 1 keys but its RotatingKVCache keeps window_size, so mlx-lm's "
               "window depends on prefill chunking; KVExec applies the mask's window",

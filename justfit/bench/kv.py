@@ -350,7 +350,7 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
             "quality": "see kv_quality.py: teacher-forced replay of fp16 greedy trajectories through each cache",
             "mlx-lm-fp16": "mlx-lm KVCache in the model's compute dtype (float32 on CPU)",
             "layout": "mlx-lm rows run the weights in mlx-lm's layout (W [out, in]), justfit rows in JustFit's "
-                      "(row-major on the CPU, models/layout.py); decode rows differ in the cache and the layout",
+                      "(row-major on the CPU, models/layout.py); rows differ in the cache and the layout",
         },
         "rows": rows,
         "quality": quality,
