@@ -16,12 +16,13 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from .config import switched_off
+
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
     "/usr/lib64/libopenblasp.so.0",
 )
-_OFF = ("0", "off", "false", "no")
 THREAD_TIMEOUT = "4"  # OpenBLAS workers spin 2^4 cycles after a call, then sleep (the default is 2^28)
 _LOADED = False
 
@@ -38,9 +39,9 @@ def reference_blas_bundled() -> bool:
 
 def openblas_path() -> Optional[str]:
     """The OpenBLAS libblas to preload, or None when disabled or absent."""
-    choice = os.environ.get("JUSTFIT_OPENBLAS", "1")
-    if choice in _OFF:
+    if switched_off("JUSTFIT_OPENBLAS"):
         return None
+    choice = os.environ.get("JUSTFIT_OPENBLAS", "1")
     if choice not in ("1", "on", "true", "yes"):
         return choice if Path(choice).is_file() else None
     return next((c for c in CANDIDATES if Path(c).is_file()), None)
@@ -84,7 +85,7 @@ def load_openblas() -> bool:
 def use_fast_blas() -> None:
     """Called by `import justfit`: load OpenBLAS when MLX is not imported yet; when MLX was imported
     first with the reference BLAS, warn once how to get the fast one."""
-    if load_openblas() or "mlx.core" not in sys.modules or os.environ.get("JUSTFIT_OPENBLAS", "1") in _OFF:
+    if load_openblas() or "mlx.core" not in sys.modules or switched_off("JUSTFIT_OPENBLAS"):
         return
     if sys.platform.startswith("linux") and openblas_path() and active_blas().startswith("reference"):
         warnings.warn(

@@ -7,6 +7,13 @@ from typing import Optional
 
 FORMATS = ("affine", "rotated")
 KEY_FORMATS = FORMATS + ("channel",)  # channel: per-channel key quantization along tokens (keys only)
+OFF = ("0", "off", "false", "no")
+
+
+def switched_off(name: str) -> bool:
+    """True when environment variable `name` says off (0, off, false or no, in any case); unset means on.
+    Read at every call, so one process can compare both settings."""
+    return os.environ.get(name, "1").strip().lower() in OFF
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ heads multiply `embed_tokens.weight.T`): only modules reached through __call__ /
 
 import ast
 import inspect
-import os
 import sys
 import textwrap
 from functools import lru_cache
@@ -22,7 +21,8 @@ from functools import lru_cache
 import mlx.core as mx
 import mlx.nn as nn
 
-_OFF = ("0", "off", "false", "no")
+from ..config import switched_off
+
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
@@ -60,7 +60,7 @@ def enabled() -> bool:
     """Row-major on the CPU backend unless JUSTFIT_ROW_MAJOR=0 (Metal and CUDA have their own GEMV)."""
     from .load import backend
 
-    return os.environ.get("JUSTFIT_ROW_MAJOR", "1").lower() not in _OFF and backend() == "cpu"
+    return not switched_off("JUSTFIT_ROW_MAJOR") and backend() == "cpu"
 
 
 def row_major(model) -> int:

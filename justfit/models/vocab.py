@@ -19,7 +19,9 @@ def vocab_size(model) -> Optional[int]:
             emb = getattr(owner, name, None) if owner is not None else None
             w = getattr(emb, "weight", None)
             if w is not None and len(getattr(w, "shape", ())) == 2:  # a row-major table is [dims, rows]
-                return int(w.shape[-1] if type(emb).__name__ == "RowMajorEmbedding" else w.shape[0])
+                from .layout import RowMajorEmbedding
+
+                return int(w.shape[-1] if isinstance(emb, RowMajorEmbedding) else w.shape[0])
     return None
 
 

@@ -1,9 +1,9 @@
 """How a Runtime uses PhaseSwap: build its residency manager and its drafter (returned, not attached)."""
 
-import os
 from pathlib import Path
 from typing import Optional
 
+from ..config import switched_off
 from .budget import Budget
 from .components import model_components
 from .drafting import DraftModel, Gate, PromptLookup, load_draft_model
@@ -12,7 +12,7 @@ from .residency import Residency
 
 def spill_root(home: Path) -> Optional[Path]:
     """Where released weights are kept as loaded (JUSTFIT_WEIGHT_SPILL=0 turns the copy off)."""
-    return None if os.environ.get("JUSTFIT_WEIGHT_SPILL") == "0" else Path(home) / "spill"
+    return None if switched_off("JUSTFIT_WEIGHT_SPILL") else Path(home) / "spill"
 
 
 def build_residency(model, memory_budget: Optional[int], home: Path) -> Residency:

@@ -28,6 +28,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ... import config
+
 SOURCE = Path(__file__).with_name("q4.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
 CALLS = Counter()  # "decode": layer calls the kernel served (tests and benches check that it ran)
@@ -44,7 +46,7 @@ _lock = threading.Lock()
 
 def switched_off() -> bool:
     """JUSTFIT_CPU_KERNELS=0 (read at every call, so one process can compare both paths)."""
-    return os.environ.get("JUSTFIT_CPU_KERNELS", "1") == "0"
+    return config.switched_off("JUSTFIT_CPU_KERNELS")
 
 
 def supported() -> bool:
