@@ -1,4 +1,5 @@
-"""Tiny random configs for every model family the installed mlx-lm ships (used by test_kvexec_families.py)."""
+"""Tiny random configs for every model family the installed mlx-lm ships, and a greedy run over them (used by
+test_kvexec_families.py and test_layout.py)."""
 
 import dataclasses
 import importlib
@@ -26,6 +27,21 @@ SPECIAL = {  # families that need inputs or a backend this test does not provide
     "prism_hadamard_qwen35": "needs a Hadamard-packed checkpoint, not a random config",
     "phi3small": "MLX crashes (SIGSEGV in RoPE) on the generic tiny config: block-sparse attention needs its own",
 }
+PROMPT = [(5 * i + 3) % 120 + 1 for i in range(40)]  # > 2 pages of 16 tokens, and past the sliding window (8)
+
+
+def greedy(model, caches, n=6, chunk=17) -> list:
+    """n greedy tokens after PROMPT, prefilled in chunks that cross page boundaries mid-chunk."""
+    import mlx.core as mx
+
+    x = mx.array(PROMPT)[None]
+    for i in range(0, len(PROMPT), chunk):
+        logits = model(x[:, i : i + chunk], cache=caches)
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1])))
+        logits = model(mx.array([[out[-1]]]), cache=caches)
+    return out
 
 
 def families():

@@ -5,13 +5,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama, seed_oss
+from mlx_lm.models.cache import make_prompt_cache
 
 import justfit
 from justfit.bench.baseline import mlx_lm_layout
 from justfit.models import layout, vocab_size
 from justfit.phaseswap.components import WeightSource
 
-from .kvexec_families import SPECIAL, build, families
+from .kvexec_families import SPECIAL, build, families, greedy
 
 IDS = mx.array([[3, 17, 99, 5, 42, 7]])
 
@@ -126,22 +127,10 @@ def test_every_family_keeps_its_tokens(family):
         model, reason = build(family)
         if model is None:
             pytest.skip(reason)
-        ref = _greedy(model)
+        ref = greedy(model, make_prompt_cache(model))
     except Exception as e:  # noqa: BLE001 - the generic tiny config does not fit this family (or needs Metal)
         pytest.skip(f"no tiny random config runs: {type(e).__name__}: {str(e)[:80]}")
     assert layout.row_major(model) > 0
-    assert _greedy(model) == ref
+    assert greedy(model, make_prompt_cache(model)) == ref
     layout.standard(model)
-    assert _greedy(model) == ref
-
-
-def _greedy(model, n=4):
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([[(5 * i + 3) % 120 + 1 for i in range(20)]]), cache=cache)
-    out = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits[0, -1])))
-        logits = model(mx.array([[out[-1]]]), cache=cache)
-    return out
+    assert greedy(model, make_prompt_cache(model)) == ref
