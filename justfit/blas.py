@@ -42,7 +42,7 @@ def openblas_path() -> Optional[str]:
     if switched_off("JUSTFIT_OPENBLAS"):
         return None
     choice = os.environ.get("JUSTFIT_OPENBLAS", "1")
-    if choice not in ("1", "on", "true", "yes"):
+    if choice.strip().lower() not in ("1", "on", "true", "yes"):  # as switched_off reads its words
         return choice if Path(choice).is_file() else None
     return next((c for c in CANDIDATES if Path(c).is_file()), None)
 

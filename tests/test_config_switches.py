@@ -34,3 +34,13 @@ def test_a_switch_is_off_exactly_for_the_off_words(monkeypatch, name, word):
 def test_openblas_is_not_preloaded_when_switched_off(monkeypatch, word):
     monkeypatch.setenv("JUSTFIT_OPENBLAS", word)
     assert blas.openblas_path() is None
+
+
+@pytest.mark.parametrize("word", ["1", "ON", " yes ", "True"])
+def test_openblas_on_words_in_any_case_find_the_library(monkeypatch, word):
+    monkeypatch.delenv("JUSTFIT_OPENBLAS", raising=False)
+    found = blas.openblas_path()
+    if found is None:
+        pytest.skip("no OpenBLAS libblas is installed on this machine")
+    monkeypatch.setenv("JUSTFIT_OPENBLAS", word)  # before: "ON" was taken for a path, and OpenBLAS was off
+    assert blas.openblas_path() == found
