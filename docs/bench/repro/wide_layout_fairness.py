@@ -6,36 +6,19 @@ Usage: python docs/bench/repro/wide_layout_fairness.py [ROUNDS] [CONTEXT] [STEPS
 """
 
 import sys
-import time
+from pathlib import Path
 
 import justfit  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from justfit.bench.batch import wide_model
 from justfit.bench.stats import spread
 from justfit.models import layout
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from row_major_ab import decode, filled  # noqa: E402  (the layout A/B's own fill and decode loops)
+
 ROUNDS, CTX, STEPS = ([int(a) for a in sys.argv[1:]] + [5, 512, 8][len(sys.argv) - 1:])[:3]
-
-
-def filled(model, ctx):
-    caches = [KVCache() for _ in model.layers]
-    model(mx.random.randint(100, 40000, (1, ctx), key=mx.random.key(ctx)), cache=caches)
-    mx.eval([c.state for c in caches])
-    return caches
-
-
-def decode(model, caches):
-    tok, out = mx.full((1, 1), 42, dtype=mx.int32), []
-    t0 = time.perf_counter()
-    for _ in range(STEPS):
-        tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
-        out.append(tok.item())
-    dt = time.perf_counter() - t0
-    for c in caches:
-        c.trim(STEPS)
-    return STEPS / dt, out
 
 
 def build(*switches):
@@ -49,11 +32,11 @@ def build(*switches):
 def main():
     arms = {"untouched": build(), "round-trip": build(layout.row_major, layout.standard),
             "row-major": build(layout.row_major)}
-    caches = {k: filled(m, CTX) for k, m in arms.items()}
+    caches = {k: filled(m, 1, CTX) for k, m in arms.items()}
     times, tokens = {k: [] for k in arms}, {}
     for r in range(ROUNDS):
         for k in list(arms) if r % 2 == 0 else list(arms)[::-1]:
-            t, tokens[k] = decode(arms[k], caches[k])
+            t, tokens[k] = decode(arms[k], caches[k], STEPS, 1)
             times[k].append(t)
     for k, v in times.items():
         print(k, {a: round(b, 3) for a, b in spread("tok_s", v).items()}, tokens[k][:4], flush=True)
