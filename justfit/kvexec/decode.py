@@ -8,7 +8,7 @@ scales widened once, when a page seals (`RunMemo`), and so are its sealed float 
 full-precision page and the float window's copy); the open page is the third run, one plain softmax
 over all. Past ~1.1k quantized keys the quantized run is cut in two, each half scored and mixed on its own
 CPU stream (streams.py) under the same softmax: MLX's CPU `quantized_matmul` is a one-thread kernel, and at
-2k tokens it is most of the step (docs/bench/repro/decode_2k_profile.py, decode_split_ab.py). The memo is
+2k tokens it is most of the step (benchmarks/repro/decode_2k_profile.py, decode_split_ab.py). The memo is
 a second copy of at most `MEMO_TOKENS` quantized tokens and of the float window's pages (default model at
 2.5k tokens: 0.9 MB a layer), counted in the cache's `nbytes`; longer contexts take the general path,
 where reading bytes costs more than ops.
@@ -86,7 +86,7 @@ def kernel_attention(queries, cache, scale: float):
     context: sealed 4-bit pages read in place, no stacked copy; or None where it does not apply (another
     format, no page read in 4 bits, a partial sealed page, no kernel here). The caller checked one_query.
     The call evaluates q and the open page: one synchronization a layer, which costs less than MLX's
-    quantized matmul from ~1k sealed 4-bit tokens on (docs/bench/repro/cpu_q4_kernel.py)."""
+    quantized matmul from ~1k sealed 4-bit tokens on (benchmarks/repro/cpu_q4_kernel.py)."""
     _, Hq, _, D = queries.shape
     o = kernel_attention_batch(queries.reshape(1, Hq, D), [cache], scale)
     return None if o is None else o.reshape(1, Hq, 1, D).astype(queries.dtype)

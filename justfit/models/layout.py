@@ -4,7 +4,7 @@ row-major product; a tied embedding stores its table the same way, for its head.
 Why: MLX's CPU matmul hands both layouts to BLAS as a GEMM, and OpenBLAS 0.3.21 multiplies one row by a
 transposed weight ~15-40% slower than by a row-major one (576 x 1536: 0.30 vs 0.25 ms; the 49152 x 576
 tied head: 15.3 vs 9.4 ms), about even from a few hundred rows (prefill chunks). A decode step is mostly
-such one-row products: the default model decodes 17-19% faster (docs/bench/repro/row_major_ab.py). Same
+such one-row products: the default model decodes 17-19% faster (benchmarks/repro/row_major_ab.py). Same
 bytes and the model folder's parameter names; only the layout differs. The price: a lookup reads a column
 of the table (~20 us a token more in a 2k-token prefill chunk, 45 of ~17,000 ms). `standard` undoes it,
 for code that expects W as [out, in] (mlx-lm's `model.shard`, a baseline run as mlx-lm's users get it).

@@ -4,7 +4,7 @@ MLX has no custom-kernel API for its CPU backend, and its CPU `quantized_matmul`
 time in scalar code: decode over 4-bit pages ran no faster than mlx-lm's float32 cache over 7x the bytes
 (issue 12). q4.c unpacks each code once for every query row of its KV head, in AVX2 vectors, and does a
 layer's whole attention over all its pages (sealed 4-bit, bfloat16, the float32 open page) in one call,
-reading the pages where they are (docs/bench/repro/cpu_q4_kernel.py has the timings). One call takes every
+reading the pages where they are (benchmarks/repro/cpu_q4_kernel.py measures it; docs/benchmarks.md has the timings). One call takes every
 sequence of a batch and, past THREAD_WORK, deals their heads to one thread per CPU (`threads`).
 
 Built with the system C compiler (`$CC`, else cc or gcc) into JUSTFIT_HOME/kernels/, once per source
