@@ -190,13 +190,13 @@ def serve(
     from .distributed import launched
 
     check_bind(host, api_key)
-    if launched() and idle_release:  # distributed hook (issue 17)
+    if launched() and idle_release:  # under mlx.launch every rank runs this command
         raise UserError("--idle-release is not supported under mlx.launch yet (the ranks would release at different times)")
     fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
     rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget))
     options = dict(api_key=api_key, cors=cors, persist=persist, idle_release=idle_release, max_queue=max_queue,
                    max_body=max_body)
-    if rt.sharding.world_size > 1:  # distributed hook (issue 17): rank 0 serves, the others follow its turns
+    if rt.sharding.world_size > 1:  # rank 0 serves HTTP, the other ranks follow its turns
         from .distributed.serving import run_front
 
         why = run_front(rt, lambda front: run_server(front, host, port, **options))
@@ -320,7 +320,7 @@ def info():
         ("weight layout", "row-major x @ W (CPU decode; JUSTFIT_ROW_MAJOR=0: off)" if layout.enabled() else "as stored"),
         ("JUSTFIT_HOME", str(home())),
         ("memory budget", Budget(parse_budget(os.environ.get("JUSTFIT_MEMORY_BUDGET"))).describe()),
-        ("tool sandbox", __import__("justfit_agents.sandbox", fromlist=["describe"]).describe()),  # issue 15
+        ("tool sandbox", __import__("justfit_agents.sandbox", fromlist=["describe"]).describe()),  # how agent tools are confined
         ("cpu 4-bit kernel", cpu_kernel.status()),  # kvexec/cpu: decode over 4-bit pages on x86-64 CPUs
     ]
     for k, v in rows:
@@ -340,9 +340,9 @@ def _config_defaults(command) -> dict:
 
 def main():
     """Console entry point (OpenBLAS is already loaded by `import justfit`); internal errors exit 1 in one line."""
-    from .distributed import quiet_followers  # distributed hook (issue 17)
+    from .distributed import quiet_followers
 
-    quiet_followers()  # distributed hook (issue 17): under mlx.launch only rank 0 prints
+    quiet_followers()  # under mlx.launch only rank 0 prints
     try:
         command = typer.main.get_command(app)
         rc = command.main(prog_name="justfit", standalone_mode=False, default_map=_config_defaults(command))

@@ -1,4 +1,4 @@
-"""`justfit bench chat`: rows for both systems with the fields DESIGN.md section 6 asks for."""
+"""`justfit bench chat`: rows for both systems with the fields every bench row carries."""
 
 import json
 

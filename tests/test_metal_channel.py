@@ -144,7 +144,7 @@ def test_kvexec_channel_partial_last_page(cut, monkeypatch):
 
 @needs_emulator
 def test_default_kvconfig_with_channel_keys_uses_the_kernels(monkeypatch):
-    # The lead's planned default: page 256, group 64, channel keys (g64), affine 4-bit values.
+    # The default layout: page 256, group 64, channel keys (g64), affine 4-bit values.
     kv = KVConfig(float_pages=0, key_format="channel")
     cache = _filled(kv, 2 * 256 + 40, head_dim=128)
     for L in (1, 4):

@@ -184,7 +184,7 @@ def test_a_lone_request_keeps_single_sequence_mode_until_another_joins(rt, monke
     fast as chat's); once a second request runs beside it, both run batched (no window, 16-bit open pages:
     what the capacity arithmetic counts), and each gives the tokens it gives alone with its caches switched at
     the same token. (Against a run that never switched, ~1 uuid prompt in 13 differs at a near-tie: top-2
-    logits within 0.07, which the 4-bit reads of the window's pages may flip; session 14 measured it.)"""
+    logits within 0.07, which the 4-bit reads of the window's pages may flip.)"""
     import mlx.core as mx
 
     from justfit.kvexec import PagedKVCache, make_cache

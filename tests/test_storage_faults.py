@@ -1,4 +1,4 @@
-"""Fault injection on saved sessions (issue 15): random damage to manifests and page files, restored
+"""Fault injection on saved sessions: random damage to manifests and page files, restored
 through Session.open on a tiny model, every outcome classified; kill -9 during checkpoints; two
 processes on one session; a full and a read-only disk during a checkpoint. Reduced here, full under
 `pytest -m slow`. Each test prints its counts (faults / recovered / refused / crashes / lost / wrong)."""

@@ -1,4 +1,4 @@
-"""Validation at the storage boundaries (issue 15): token ids against the vocabulary, manifests as a
+"""Validation at the storage boundaries: token ids against the vocabulary, manifests as a
 typed schema (a wrong type is damage, recovered from the previous commit), S.json missing or looping,
 full-match session names, one writer process per session, junk model folders exit 2."""
 

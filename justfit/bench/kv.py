@@ -10,7 +10,7 @@ order rotating from round to round; caches are built once per context, warm-up e
   attention workspace (prefill peak over KV of one layer whose output is evaluated, at two contexts,
   extrapolated linearly; measured at each step when the answer lies below them) fit `budget_bytes`,
   found by binary search.
-Quality rows: kv_quality.py. One JSON object on stdout with --json (DESIGN.md section 6).
+Quality rows: kv_quality.py. One JSON object on stdout with --json.
 """
 
 import json

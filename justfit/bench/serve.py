@@ -5,8 +5,8 @@ Workload: an agent trace per conversation: a system prompt, then `turns` turns t
 tool call and a tool result (growing the history to ~4k tokens at the defaults), each turn a streamed
 greedy reply; conversations run at concurrency 1, 4 and 8 (at concurrency c, c conversations send
 their turns at once: justfit batches them in its engine, `max_batch` is the largest batch its /metrics
-saw). Then both servers restart and every conversation sends its next turn (`after-restart`). Rows per
-DESIGN.md §6; timings are medians over interleaved rounds (each round starts both servers fresh, in
+saw). Then both servers restart and every conversation sends its next turn (`after-restart`). Timings
+are medians over interleaved rounds (each round starts both servers fresh, in
 alternating order) with min and max.
 """
 
@@ -288,7 +288,7 @@ def aggregate(raw: List[dict]) -> List[dict]:
 
 
 def ratios(rows: List[dict]) -> dict:
-    """justfit / mlx-lm for the issue's targets (lower is better except throughput)."""
+    """justfit / mlx-lm on the measures the bench compares (lower is better except throughput)."""
     def get(system, workload, level, m):
         return next((r[m] for r in rows if (r["system"], r["workload"], r["concurrency"]) == (system, workload, level)), None)
 

@@ -349,7 +349,7 @@ def sessions(
 
 
 def summarize(rows) -> dict:
-    """The ratios the issue targets, computed from the rows."""
+    """The ratios the bench reports (next-turn and restore speedups, checkpoint cost, fork growth), from the rows."""
     at = {r["system"]: r for r in rows if r.get("phase") == "next-turn"}
     jf = [r for r in rows if r["system"] == "justfit" and "phase" not in r and r["turn"] > 0]
     rest = {r["system"]: r for r in rows if r.get("phase") == "restore"}

@@ -58,7 +58,7 @@ def default_model(home=None, log=_log) -> Path:
     root = writable_home(home)
     gguf = default.fetch_default_gguf(root / "downloads", log)
     try:
-        return default.record_source(convert_gguf(gguf, out, log=log))  # issue 15: the verified source's sha256
+        return default.record_source(convert_gguf(gguf, out, log=log))  # records the verified source's sha256
     finally:
         gguf.unlink(missing_ok=True)
 

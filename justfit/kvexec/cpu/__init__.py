@@ -1,8 +1,8 @@
 """One decode query over a layer's 4-bit pages on x86-64 CPUs: q4.c, built on first use, called via ctypes.
 
 MLX has no custom-kernel API for its CPU backend, and its CPU `quantized_matmul` runs one query row at a
-time in scalar code: decode over 4-bit pages ran no faster than mlx-lm's float32 cache over 7x the bytes
-(issue 12). q4.c unpacks each code once for every query row of its KV head, in AVX2 vectors, and does a
+time in scalar code: decode over 4-bit pages ran no faster than mlx-lm's float32 cache over 7x the bytes.
+q4.c unpacks each code once for every query row of its KV head, in AVX2 vectors, and does a
 layer's whole attention over all its pages (sealed 4-bit, bfloat16, the float32 open page) in one call,
 reading the pages where they are (benchmarks/repro/cpu_q4_kernel.py measures it; docs/benchmarks.md has the timings). One call takes every
 sequence of a batch and, past THREAD_WORK, deals their heads to one thread per CPU (`threads`).
