@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
+from .limits import MAX_DEPTH, MAX_INT_DIGITS, LimitError
+
 log = logging.getLogger("justfit.server")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
@@ -61,6 +63,13 @@ async def on_validation(_request: Request, exc: RequestValidationError) -> JSONR
         return JSONResponse(envelope(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                                      code="invalid_json"), 400)
     param = _param(first.get("loc", ()))
+    limit = first.get("ctx", {}).get("error")
+    if isinstance(limit, LimitError):  # limits.py: the message says which limit, the path where
+        param = ".".join(filter(None, [param, limit.path])).replace(".[", "[") or None
+        if param and len(param) > 120:  # a path as deep as the nesting it reports: keep its start
+            param = param[:120] + "..."
+        return JSONResponse(envelope(400, f"{param + ': ' if param else ''}{limit.message}", param,
+                                     "invalid_value"), 400)
     if first.get("type") == "missing" and param:
         msg = f"missing required field '{param}'"
     else:
@@ -74,6 +83,13 @@ async def on_api_error(_request: Request, exc: APIError) -> JSONResponse:
 
 
 async def on_http(_request: Request, exc: HTTPException) -> JSONResponse:
+    if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+        why = exc.__cause__
+        if isinstance(why, RecursionError):
+            why = f"nested deeper than Python's JSON parser allows (the limit is {MAX_DEPTH} levels)"
+        elif isinstance(why, ValueError) and "digits" in str(why):
+            why = f"an integer longer than {MAX_INT_DIGITS} digits"
+        return JSONResponse(envelope(400, f"the request body is not valid JSON: {why}", code="invalid_json"), 400)
     msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics",
            405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
     return JSONResponse(envelope(exc.status_code, msg), exc.status_code)

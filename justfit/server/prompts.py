@@ -8,6 +8,7 @@ from ..models.vocab import vocab_size
 from ..grammar import answer_grammar, check_grammar, json_grammar, lark_grammar
 from ..toolcalls import FINISH_TEXT, detect
 from .errors import APIError
+from .limits import LimitError, parse_json
 from .schema import ChatRequest, CompletionRequest, Message
 
 DEFAULT_MAX_TOKENS = 512
@@ -44,10 +45,13 @@ def chat_messages(req: ChatRequest, syntax) -> List[dict]:
             for c in m.tool_calls or []:
                 names[c.id] = c.function.name
                 try:
-                    args = json.loads(c.function.arguments or "{}")
+                    args = parse_json(c.function.arguments or "{}")
                 except json.JSONDecodeError:
                     raise APIError(400, f"tool call arguments are not JSON: {c.function.arguments[:80]!r}",
                                    f"messages[{i}].tool_calls", "invalid_value") from None
+                except LimitError as e:
+                    raise APIError(400, f"tool call arguments: {e.message}", f"messages[{i}].tool_calls",
+                                   "invalid_value") from None
                 calls.append(syntax.call_text(c.function.name, args))
             out.append({"role": "assistant", "content": "\n".join(filter(None, [text] + calls))})
         else:  # tool (or the legacy function role)
@@ -100,7 +104,11 @@ def chat_prompt(rt, req: ChatRequest):
     if shown and choice == "none":
         grammar = answer_grammar(syntax)
     elif shown:
-        grammar = lark_grammar(shown, syntax, choice, MAX_STRING)
+        try:
+            grammar = lark_grammar(shown, syntax, choice, MAX_STRING)
+        except RecursionError:  # limits.py bounds schema depth; this keeps any deeper recursion a 400
+            raise APIError(400, "a tool's parameters are nested too deep for JustFit's grammar compiler", "tools",
+                           "invalid_schema") from None
         why = check_grammar(grammar)
         if why:
             raise APIError(400, f"a tool's parameters are not a JSON schema JustFit can enforce: {why}", "tools",
@@ -118,7 +126,11 @@ def response_grammar(req: ChatRequest) -> str:
     if spec is None or spec.schema_ is None:
         raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format.json_schema",
                        "invalid_value")
-    grammar = json_grammar(spec.schema_, bool(spec.strict))
+    try:
+        grammar = json_grammar(spec.schema_, bool(spec.strict))
+    except RecursionError:
+        raise APIError(400, "response_format json_schema is nested too deep for JustFit's grammar compiler",
+                       "response_format.json_schema.schema", "invalid_schema") from None
     why = check_grammar(grammar)
     if why:
         raise APIError(400, f"response_format json_schema is not a schema JustFit can enforce: {why}",

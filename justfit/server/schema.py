@@ -1,13 +1,16 @@
 """The HTTP API as pydantic models: what `justfit serve` accepts and returns (see API.md).
 
 Requests list every OpenAI field JustFit reads; unknown fields are ignored (as many clients send
-extras). Bounds mirror OpenAI's, so a bad value is a 400 naming the field before any work is done.
+extras). Bounds mirror OpenAI's, so a bad value is a 400 naming the field before any work is done;
+limits.py's limits (nesting, number size, surrogates, schema size) are checked here too.
 """
 
 import time
 from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from .limits import MAX_STOP, MAX_TOOLS, LimitError, check_schema, check_value
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -47,6 +50,11 @@ class FunctionDef(_In):
     parameters: Dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: Optional[bool] = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _schema_limits(cls, v):
+        return check_schema(v)
+
 
 class Tool(_In):
     type: Literal["function"] = "function"
@@ -81,6 +89,11 @@ class JSONSchemaSpec(_In):
     schema_: Optional[Dict[str, Any]] = Field(None, alias="schema")
     strict: Optional[bool] = None
 
+    @field_validator("schema_")
+    @classmethod
+    def _schema_limits(cls, v):
+        return check_schema(v)
+
 
 class ResponseFormat(_In):
     type: Literal["text", "json_object", "json_schema"]
@@ -110,11 +123,26 @@ class Sampling(_In):
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[Literal["in-memory", "in_memory", "24h"]] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _within_limits(cls, data):
+        """The whole body, extra fields included, within limits.py's nesting, number and text limits."""
+        check_value(data)
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        """Up to MAX_STOP non-empty strings, checked before the prompt is tokenized."""
+        if isinstance(v, list) and (len(v) > MAX_STOP or not all(v)) or v == "":
+            raise LimitError(f"takes up to {MAX_STOP} non-empty strings")
+        return v
+
 
 class ChatRequest(Sampling):
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    tools: Optional[List[Tool]] = None
+    tools: Optional[List[Tool]] = Field(None, max_length=MAX_TOOLS)
     tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
