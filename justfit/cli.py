@@ -135,7 +135,7 @@ def chat(
     kv = KVConfig(bits=int(kv_bits.value), format=kv_format.value)
     opts = sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop,
                             None if seed == -1 else seed)
-    from .generation import Sampling
+    from .engine.sampling import Sampling
 
     Sampling(**{k: v for k, v in opts.items() if k != "max_tokens"})  # bad values: one line, before loading
     steering = None

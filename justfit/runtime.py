@@ -1,6 +1,6 @@
 """Runtime: owns the model, its page pool and prefix index, residency and drafter; runs turns.
 
-Every turn goes tokens -> prefix lookup (statetrans) -> the one generation path (generation.py) over a
+Every turn goes tokens -> prefix lookup (statetrans) -> the token engine (justfit/engine) over a
 KVExec cache -> pages published for the next prompt. Fronts (chat, sessions, agents, benches, the
 server) call `stream`/`generate`/`stream_tokens`; none has a loop of its own.
 """
@@ -9,8 +9,9 @@ from typing import Callable, Iterator, List, Optional, Tuple, Union
 
 from .config import KVConfig, home as home_dir
 from .errors import UserError
-from .generation import Sampling, prefill, stream_turn
-from .turns import Chunk, Generation, TurnStats
+from .engine.sampling import Sampling
+from .engine.solo import prefill, stream_turn
+from .turns import Chunk, Generation, Turn, TurnStats
 
 Prompt = Union[str, List[dict], List[int]]
 Steering = Callable[[int, int], Tuple[int, Optional[str]]]
@@ -38,14 +39,14 @@ class Runtime:
         self.steering = steering
         self.model_spec = model
         self.model, self.tokenizer = load(model, home=self.home)
-        self.sharding = shard_model(self.model)  # distributed hook (issue 17): cuts the model per mlx.launch rank; no-op in one process
+        self.sharding = shard_model(self.model)  # distributed hook: cuts the model per mlx.launch rank; no-op in one process
         self.phaseswap = build_residency(self.model, self.memory_budget, self.home)
         if self.sharding.world_size > 1:  # the drafting gate times steps per rank: ranks would diverge
             drafter, draft_model = "none", None
         self.drafter, self.gate = make_drafter(self.phaseswap, self.tokenizer, self.home, draft_model, drafter)
         self.index = make_index(self.model, self.tokenizer, self.kv, self.home)
         self.last_stats = TurnStats()
-        self.scheduler = None  # batching (scheduler): the Engine, made on first use by batch_engine()
+        self.engine = None  # the engine core (justfit/engine), made on first use by batch_engine()
 
     # -- tokens -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, add_generation_prompt: bool = True) -> List[int]:
@@ -83,7 +84,7 @@ class Runtime:
 
         if name is None:
             return Session(self, None, persist=False, **options)
-        return open_session(self, name, **options)  # distributed hook (issue 17): checks the world manifest
+        return open_session(self, name, **options)  # distributed hook: checks the world manifest
 
     # -- residency (PhaseSwap) ----------------------------------------------------------------
     def residency(self) -> dict:
@@ -115,15 +116,20 @@ class Runtime:
         if name not in ("none", "prompt-lookup"):
             raise UserError(f"drafter must be 'none' or 'prompt-lookup', not {name!r}")
         self.drafter, self.gate = (PromptLookup() if name == "prompt-lookup" else None), Gate()
-        if self.scheduler is not None:  # a lone batched request drafts with the same drafter
-            self.scheduler.set_drafter(self.drafter, self.gate)
+        if self.engine is not None:  # a lone batched request drafts with the same drafter
+            self.engine.set_drafter(self.drafter, self.gate)
 
     # -- generation ---------------------------------------------------------------------------
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
-               seed: Optional[int] = None, top_p: float = 1.0, **options) -> Iterator[Chunk]:
+               seed: Optional[int] = None, top_p: float = 1.0, **options) -> Turn:
         """Yield Chunks as tokens are generated, reusing the longest cached prefix of the prompt
         (token-exact). options: top_k, min_p, repetition_penalty, stop, logit_bias, logits_processors,
-        constraint, progress. Stats of the turn land in self.last_stats."""
+        constraint, progress. The returned Turn's `stats` are this turn's (also in self.last_stats, the
+        turn started last)."""
+        stats = TurnStats()
+        return Turn(self._stream(prompt, max_tokens, temperature, seed, top_p, stats, options), stats)
+
+    def _stream(self, prompt, max_tokens, temperature, seed, top_p, stats, options) -> Iterator[Chunk]:
         from .statetrans.reuse import reusing_prefix
 
         tokens = self.encode(prompt)
@@ -131,26 +137,28 @@ class Runtime:
         sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed, **options)
         with reusing_prefix(self.index, self.make_cache(resident=False), tokens) as (cache, reused, fed):
             yield from self.stream_tokens(tokens, cache, max_tokens, sampling=sampling, reused_tokens=reused,
-                                          progress=progress, fed=fed)
+                                          progress=progress, fed=fed, stats=stats)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                  seed: Optional[int] = None, top_p: float = 1.0, **options) -> Generation:
         """Generate a whole reply; same arguments as stream()."""
-        chunks = list(self.stream(prompt, max_tokens, temperature, seed, top_p, **options))
-        return Generation("".join(c.text for c in chunks), [c.token for c in chunks if c.token >= 0],
-                          self.last_stats)
+        turn = self.stream(prompt, max_tokens, temperature, seed, top_p, **options)
+        chunks = list(turn)
+        return Generation("".join(c.text for c in chunks), [c.token for c in chunks if c.token >= 0], turn.stats)
 
     def stream_tokens(self, tokens: List[int], cache: list, max_tokens: int = 256,
                       temperature: float = 0.0, seed: Optional[int] = None, top_p: float = 1.0,
                       reused_tokens: int = 0, sampling: Optional[Sampling] = None,
                       progress: Optional[Callable] = None, fed: Optional[List[int]] = None,
-                      **options) -> Iterator[Chunk]:
+                      stats: Optional[TurnStats] = None, **options) -> Turn:
         """Prefill `tokens` not yet in `cache` (all but the first `reused_tokens`) then decode; `fed`
-        receives the generated ids the cache holds afterwards (the end-of-turn id included)."""
+        receives the generated ids the cache holds afterwards (the end-of-turn id included). The Turn's
+        stats are `stats` when given (the caller's own record), else a new TurnStats."""
         sampling = sampling or Sampling(temperature=temperature, top_p=top_p, seed=seed, **options)
-        self.last_stats = stats = TurnStats()
-        yield from stream_turn(self.model, self.tokenizer, tokens, cache, reused_tokens, max_tokens, sampling,
-                               stats, self.phaseswap, self.drafter, self.gate, self.steering, progress, fed)
+        stats = stats if stats is not None else TurnStats()
+        self.last_stats = stats
+        return Turn(stream_turn(self.model, self.tokenizer, tokens, cache, reused_tokens, max_tokens, sampling,
+                                stats, self.phaseswap, self.drafter, self.gate, self.steering, progress, fed), stats)
 
     def prefill(self, tokens: List[int], cache: list, progress: Optional[Callable] = None,
                 after_chunk: Optional[Callable] = None, step: Optional[int] = None) -> float:
@@ -160,24 +168,24 @@ class Runtime:
         self.phaseswap.enter("idle")
         return reload_s
 
-    # -- batching (scheduler) --------------------------------------------------------------------
+    # -- the engine core (batching) ----------------------------------------------------------------
     def batch_engine(self, kv_budget_bytes: Optional[int] = None, **options):
-        """The continuous-batching engine (scheduler.Engine) over this runtime's model and page pool,
+        """The continuous-batching engine core (engine.Engine) over this runtime's model and page pool,
         made on first use; kv_budget_bytes bounds its KV pages (default: the memory budget less the
         weights). Options (step_tokens, max_batch) apply when it is made. A request running alone decodes
         speculatively with this runtime's drafter; several run as plain batched decodes."""
-        if self.scheduler is None:
+        if self.engine is None:
             from mlx.utils import tree_flatten
 
-            from .scheduler import Engine
+            from .engine import Engine
 
             if kv_budget_bytes is None and self.memory_budget is not None:
                 weights = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
                 kv_budget_bytes = max(1, self.memory_budget - weights)
-            self.scheduler = Engine(self.model, self.tokenizer, self.make_cache, index=self.index, kv=self.kv,
+            self.engine = Engine(self.model, self.tokenizer, self.make_cache, index=self.index, kv=self.kv,
                                     budget_bytes=kv_budget_bytes, residency=self.phaseswap, drafter=self.drafter,
                                     gate=self.gate, **options)
-        return self.scheduler
+        return self.engine
 
     def submit(self, prompt: Prompt, max_tokens: int = 256, **sampling):
         """Queue one request to run batched with others: iterate it for Chunks, `req.cancel()`,
@@ -191,6 +199,6 @@ class Runtime:
 
     def submit_async(self, prompt: Prompt, max_tokens: int = 256, **sampling):
         """asyncio form of submit: `async for chunk in req`, `await req.result()`, `req.cancel()`."""
-        from .scheduler import AsyncRequest
+        from .engine import AsyncRequest
 
         return AsyncRequest(self.submit(prompt, max_tokens, **sampling))

@@ -5,7 +5,7 @@ the server all report the same fields the same way.
 """
 
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 
 @dataclass
@@ -89,3 +89,22 @@ class Submitted:
     @property
     def done(self) -> bool:
         return self.state == "done"
+
+
+class Turn:
+    """A streamed turn: iterate it for Chunks; `stats` is this turn's own TurnStats, filled as it runs, so
+    two turns streamed side by side never share or overwrite each other's numbers."""
+
+    def __init__(self, chunks: Iterator[Chunk], stats: TurnStats):
+        self.stats = stats
+        self._chunks = chunks
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._chunks)
+
+    def close(self):
+        """Stop the turn early (what was generated so far stays in the cache, as after a stop)."""
+        self._chunks.close()

@@ -160,7 +160,7 @@ def test_batched_engine_decodes_through_the_kernel_with_no_float_copies(runtime1
     both were admitted together): its argmax, or within 0.05 of it (random-id prompts have near-ties that
     rounding flips: 0.016 apart at one step with these ids, with or without the kernel)."""
     from justfit.kvexec.batch import memo_nbytes
-    from justfit.scheduler import Engine
+    from justfit.engine import Engine
 
     model, kv, rng = runtime16.model, KVConfig(), np.random.default_rng(11)
     ids = [[int(i) for i in rng.integers(100, 40000, n)] for n in (560, 610)]  # one sealed 4-bit page each
@@ -169,7 +169,7 @@ def test_batched_engine_decodes_through_the_kernel_with_no_float_copies(runtime1
     before, kept = cpu.CALLS["decode"], 0
     while not all(r.done for r in reqs):
         eng.step()
-        kept = max(kept, memo_nbytes(eng._stacks))
+        kept = max(kept, memo_nbytes(eng.kv.stacks))
     assert cpu.CALLS["decode"] - before >= 4 * len(model.layers)  # at least 4 batched decode steps
     assert kept == 0
     for p, r in zip(ids, reqs):
@@ -187,7 +187,7 @@ def test_kernel_served_steps_publish_their_tokens_without_computing_the_next_pas
     pass is built, so queueing the next one would compute it before this step's tokens are published (each a
     step late). After every step each running request's pages hold its prompt and all its tokens but the last
     published one, which the next pass feeds; without the kernel the next pass is queued (fed one more)."""
-    from justfit.scheduler import Engine
+    from justfit.engine import Engine
 
     model, kv, rng = runtime16.model, KVConfig(), np.random.default_rng(12)
     prompts = [[int(i) for i in rng.integers(100, 40000, 530)] for _ in range(2)]  # one sealed 4-bit page each
@@ -212,7 +212,8 @@ def test_generation_on_the_kernel_yields_each_token_before_feeding_it_and_feeds_
     """A single sequence decoding through the kernel: each token is yielded as soon as it is read, before the
     step that feeds it (that step computes while it is built, so building it first would show the token a step
     late); a caller that stops early still leaves every token it saw in the cache."""
-    from justfit.generation import Sampling, token_steps
+    from justfit.engine.sampling import Sampling
+    from justfit.engine.solo import token_steps
 
     model, L = runtime16.model, len(runtime16.model.layers)
     ids = [int(i) for i in np.random.default_rng(13).integers(100, 40000, 800)]  # a 4-bit page past the float one

@@ -12,7 +12,8 @@ from justfit.kvexec import make_cache
 from justfit.config import KVConfig
 from justfit.phaseswap import Budget, Residency
 from justfit.phaseswap.components import model_components, tied_embeddings
-from justfit.generation import Sampling, token_steps
+from justfit.engine.sampling import Sampling
+from justfit.engine.solo import token_steps
 from justfit.phaseswap.drafting import DraftModel, Gate, PromptLookup
 
 

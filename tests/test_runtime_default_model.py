@@ -60,7 +60,8 @@ def test_overlapped_decode_equals_stepwise_and_feeds_every_token(runtime16, prom
     """Plain decoding builds each step on the pending token before reading it; a logits processor makes every
     step wait for its token instead. Both give the same ids, ending at end-of-turn or at max_tokens, and
     leave every yielded id (end-of-turn included) in the cache, as the next turn expects."""
-    from justfit.generation import Sampling, token_steps
+    from justfit.engine.sampling import Sampling
+    from justfit.engine.solo import token_steps
 
     ids, eos = runtime16.encode(prompt), set(runtime16.tokenizer.eos_token_ids)
     runs = []

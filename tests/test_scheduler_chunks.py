@@ -2,7 +2,7 @@
 
 import pytest
 
-from justfit.scheduler_chunks import OVERHEAD_RATIO, ROUND, ChunkSizer
+from justfit.engine.chunks import OVERHEAD_RATIO, ROUND, ChunkSizer
 
 
 def _fed(sizer, fixed, per_row, rows=(16, 144, 512, 144, 16)):

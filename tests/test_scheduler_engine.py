@@ -8,7 +8,7 @@ import pytest
 import justfit
 from justfit.config import KVConfig
 from justfit.errors import UserError
-from justfit.scheduler import Engine
+from justfit.engine import Engine
 
 from .scheduler_support import greedy_alone
 
@@ -109,7 +109,7 @@ def test_preemption_under_a_tiny_budget_gives_the_same_tokens(rt):
     eng = _engine(rt, budget_bytes=budget)
     reqs = [eng.submit(p, max_tokens=32) for p in prompts]
     gens = eng.run(reqs)
-    assert eng.preempted >= 1  # memory really ran out mid-decode
+    assert eng.scheduler.preempted >= 1  # memory really ran out mid-decode
     assert sum(r.restored_tokens for r in reqs) >= 32  # checkpointed pages came back, not recomputed
     assert [g.tokens for g in gens] == [g.tokens for g in ref]
     assert max(g.stats.queue_s for g in gens) > 0
@@ -148,7 +148,7 @@ def test_prefill_next_to_decoders_is_capped_and_a_lone_prompt_is_not(rt):
     while len(reqs) < len(prompts) or not all(r.done for r in reqs):
         if len(reqs) < len(prompts) and eng.steps % 3 == 0:
             reqs.append(eng.submit(prompts[len(reqs)], max_tokens=12))  # joins while others decode
-        decoding = any(len(r.feed) - r.cached == 1 and r.out for r in eng.running)
+        decoding = any(len(r.feed) - r.cached == 1 and r.out for r in eng.scheduler.running)
         before = sum(r.stats.prefilled_tokens for r in reqs)
         eng.step()
         rows = sum(r.stats.prefilled_tokens for r in reqs) - before
@@ -229,8 +229,8 @@ def test_stacked_pages_count_in_the_budget(rt):
         kept = 0
         while not all(r.done for r in reqs):
             eng.step()
-            kept = max(kept, memo_nbytes(eng._stacks))
-            assert eng.used_bytes() == eng.pool.nbytes + memo_nbytes(eng._stacks) + _lone_memo_bytes(reqs)
+            kept = max(kept, memo_nbytes(eng.kv.stacks))
+            assert eng.used_bytes() == eng.kv.pool.nbytes + memo_nbytes(eng.kv.stacks) + _lone_memo_bytes(reqs)
             if eng.budget_bytes is not None:
                 assert eng.used_bytes() <= eng.budget_bytes
         return [r.result().tokens for r in reqs], kept
@@ -261,14 +261,14 @@ def test_batched_decode_keeps_float_copies_of_4bit_pages_only_where_the_budget_h
         kept = 0
         while not all(r.done for r in reqs):
             eng.step()
-            kept = max(kept, memo_nbytes(eng._stacks))
+            kept = max(kept, memo_nbytes(eng.kv.stacks))
             assert budget is None or eng.used_bytes() <= budget
         return [r.result().tokens for r in reqs], kept, eng
 
     ref, floats, eng = run(None)
     longest = max(len(p) + 6 for p in prompts) // kv.page_size * kv.page_size
-    pages = sum(eng.kv_bytes.worst(len(p) + 6) for p in prompts) + len(prompts) * eng.kv_bytes.open
-    stored = 2 * len(prompts) * eng.kv_bytes.seq(longest)  # the scheduler's bound on stored-format copies
+    pages = sum(eng.kv.kv_bytes.worst(len(p) + 6) for p in prompts) + len(prompts) * eng.kv.kv_bytes.open
+    stored = 2 * len(prompts) * eng.kv.kv_bytes.seq(longest)  # the scheduler's bound on stored-format copies
     assert stored < floats  # float copies of these pages do not fit beside the stored ones' bound
     got, kept, _ = run(pages + stored)
     assert 0 < kept < floats and got == ref
@@ -300,9 +300,9 @@ def test_a_lone_decoders_memo_counts_in_the_budget_and_goes_first(rt):
         while not r.done:
             eng.step()
             memo, window = _lone_memo_bytes([r]), _window_bytes([r])
-            held, pool, kept = max(held, memo), max(pool, eng.pool.nbytes if r.caches else 0), max(kept, window)
+            held, pool, kept = max(held, memo), max(pool, eng.kv.pool.nbytes if r.caches else 0), max(kept, window)
             if r.caches:
-                assert eng.used_bytes() == eng.pool.nbytes + memo + window
+                assert eng.used_bytes() == eng.kv.pool.nbytes + memo + window
             if budget is not None:
                 assert eng.used_bytes() <= budget
         return r.result().tokens, held, pool, kept
@@ -340,9 +340,9 @@ def test_prefill_next_to_decoders_grows_only_from_measured_steps(rt):
     fixed = _engine(rt, step_tokens=128, prefill_with_decode=8)
     assert fixed.chunks.rows() == 8 and not fixed.chunks.adaptive  # a cap given is a cap kept
     eng = _engine(rt, step_tokens=128)
-    assert eng.chunks.adaptive and eng.chunks.rows() == eng.chunks.floor  # nothing measured yet
+    assert eng.scheduler.chunks.adaptive and eng.scheduler.chunks.rows() == eng.scheduler.chunks.floor  # nothing measured yet
     reqs = [eng.submit(rt.encode(_unique(f"Prompt {i}: name a planet.")), max_tokens=4) for i in range(3)]
     eng.run(reqs)
-    assert eng.chunks.samples  # the steps it waited for were measured
-    assert all(0 < rows <= 128 and seconds > 0 for rows, seconds in eng.chunks.samples)
-    assert eng.chunks.floor <= eng.chunks.rows() <= 128
+    assert eng.scheduler.chunks.samples  # the steps it waited for were measured
+    assert all(0 < rows <= 128 and seconds > 0 for rows, seconds in eng.scheduler.chunks.samples)
+    assert eng.scheduler.chunks.floor <= eng.scheduler.chunks.rows() <= 128

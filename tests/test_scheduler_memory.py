@@ -1,4 +1,4 @@
-"""The scheduler's KV arithmetic (scheduler_memory.KVBytes) against a real page pool: for every KV layout,
+"""The scheduler's KV arithmetic (engine/kvbytes.KVBytes) against a real page pool: for every KV layout,
 the bytes it predicts for n tokens are the bytes the pool holds after n tokens were written through real
 caches on the default model (a partial page, whole pages, sealed full-precision and quantized pages)."""
 
@@ -8,7 +8,7 @@ import pytest
 from justfit.config import KVConfig
 from justfit.kvexec import make_cache
 from justfit.kvexec.pages import PagePool
-from justfit.scheduler_memory import KVBytes
+from justfit.engine.kvbytes import KVBytes
 
 LAYOUTS = {"fp16": KVConfig(bits=16, page_size=32),
            "q4-affine": KVConfig(bits=4, page_size=32, quantized_kv_start=64),

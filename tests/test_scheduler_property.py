@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from justfit.config import KVConfig
 from justfit.kvexec import make_cache
 from justfit.kvexec.pages import PagePool
-from justfit.scheduler import Engine
+from justfit.engine import Engine
 
 KV = KVConfig(bits=4, page_size=32, quantized_kv_start=32)
 
@@ -31,7 +31,7 @@ def tiny(runtime16):
 
 def _check_refs(pool, eng):
     tables = {}
-    for r in eng.running:
+    for r in eng.scheduler.running:
         for pid in r.caches[0].seq.table:
             tables[pid] = tables.get(pid, 0) + 1
     assert pool.refs == tables  # every reference belongs to a running sequence, and only once per table

@@ -7,7 +7,7 @@ import pytest
 import justfit
 from justfit.config import KVConfig
 from justfit.phaseswap.drafting import PromptLookup
-from justfit.scheduler import Engine
+from justfit.engine import Engine
 
 from .scheduler_support import greedy_alone
 
@@ -53,7 +53,7 @@ def test_several_running_decode_plainly_then_the_survivor_drafts_in_place(rt):
     while not b.done:
         eng.step()
         assert eng.report()["draft_passes"] == 0  # two running: plain batched decode
-    assert len(eng.running) == 1 and eng.running[0] is a
+    assert len(eng.scheduler.running) == 1 and eng.scheduler.running[0] is a
     table = list(a.caches[0].seq.table)
     passes = 0
     while not a.done:

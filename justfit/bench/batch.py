@@ -46,7 +46,7 @@ def run_justfit(model, tokenizer, kv, home, prompts, gen):
     """All prompts submitted at once to a fresh Engine over a fresh pool and prefix index."""
     import mlx.core as mx
 
-    from justfit.scheduler import Engine
+    from justfit.engine import Engine
     from justfit.statetrans.index import make_index
 
     index = make_index(model, tokenizer, kv, home)
@@ -108,7 +108,7 @@ def capacity_rows(model, kv, budget, tokens, shared):
     """Concurrent `tokens`-token sequences and cached positions each KV layout holds under `budget` bytes, for
     unrelated sequences and for sequences sharing a `shared`-token prefix (the batch workload's system prompt:
     JustFit holds its sealed pages once; mlx-lm's BatchGenerator keeps a full cache per row)."""
-    from justfit.scheduler_memory import KVBytes
+    from justfit.engine.kvbytes import KVBytes
 
     sizes = KVBytes(model, kv)
     P = kv.page_size

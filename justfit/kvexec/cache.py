@@ -202,7 +202,7 @@ class PagedKVCache(_BaseCache):
 
     def for_batch(self):
         """Batched serving (the scheduler): no float window, and open pages in the 16-bit storage dtype, so a
-        sequence holds what scheduler_memory.KVBytes counts (a float32 open page is ~6 MB more a sequence on
+        sequence holds what engine/kvbytes.KVBytes counts (a float32 open page is ~6 MB more a sequence on
         the default model: 12 instead of 14 4k-token sequences in 512 MiB). Mid-sequence too: the copies and
         the memo that stacked them go now, and the open page is cast once at its next write."""
         self.drop_window(keep=False)

@@ -7,7 +7,7 @@ residency.py   the manager: phases, eviction order, residency() report
 kvspill.py     KV of a bare cache list as a spillable component
 toolphase.py   release everything during a tool call, prefetch on exit
 drafting.py    prompt-lookup and draft-model drafters, the on/off gate
-attach.py      builds a Runtime's residency manager and drafter (the token loop is justfit/generation.py)
+attach.py      builds a Runtime's residency manager and drafter (the token loops are in justfit/engine)
 """
 
 from .budget import Budget, parse_budget

@@ -1,6 +1,6 @@
 """The seam between HTTP and the engine: one worker thread owns every MLX call of the server.
 
-The thread owns the continuous-batching engine (`rt.batch_engine()`, scheduler.py). Each loop
+The thread owns the continuous-batching engine (`rt.batch_engine()`, justfit/engine). Each loop
 iteration it takes the jobs that arrived, submits them to the engine, runs one `engine.step()` (one
 batched forward pass over every running request) and forwards each request's new chunks to its job's
 asyncio queue. Every request runs on the engine, grammars and penalties included. A persisted session

@@ -19,11 +19,11 @@ from ..errors import UserError
 from ..kvexec import Page
 from ..models.chat import chat_text, encode_text
 from ..models.vocab import check_token_ids, vocab_size
-from ..turns import Generation, TurnStats
+from ..turns import Generation, Turn, TurnStats
 from .checkpoint import commit, open_page_tensors, page_loaders
 from .index import common_prefix
-from .lock import acquire as acquire_lock  # issue 15
-from .lock import release as release_lock  # issue 15
+from .lock import acquire as acquire_lock
+from .lock import release as release_lock
 from .manifest import Manifest, check_name, manifest_path, read_manifest, warn
 from .store import CorruptPage, StoreWriteError
 
@@ -62,7 +62,7 @@ class Session:
     def open(cls, rt, name: str, checkpoint_every: Optional[int] = CHECKPOINT_EVERY) -> "Session":
         """Resume the named session from its manifest, or start it empty."""
         check_name(name)
-        acquire_lock(rt.home, name)  # issue 15: one writer process per session (statetrans/lock.py)
+        acquire_lock(rt.home, name)  # one writer process per session (statetrans/lock.py)
         try:
             return cls._open(rt, name, checkpoint_every)
         except BaseException:
@@ -72,7 +72,7 @@ class Session:
     @classmethod
     def _open(cls, rt, name: str, checkpoint_every: Optional[int]) -> "Session":
         start = time.perf_counter()
-        m = read_manifest(rt.home, name, vocab_size(rt.model))  # issue 15: S.prev.json fallback, ids checked
+        m = read_manifest(rt.home, name, vocab_size(rt.model))  # S.prev.json fallback, ids checked
         if m is None:
             return cls(rt, name, checkpoint_every=checkpoint_every)
         index = rt.index
@@ -141,13 +141,18 @@ class Session:
     def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, seed: Optional[int] = None,
                  top_p: float = 1.0, **options) -> Generation:
         """Append a turn (text = one user message, a message list, or raw token ids) and the reply."""
-        chunks = list(self.stream(prompt, max_tokens, temperature, seed, top_p, **options))
-        return Generation("".join(c.text for c in chunks), [c.token for c in chunks if c.token >= 0],
-                          self.last_stats)
+        turn = self.stream(prompt, max_tokens, temperature, seed, top_p, **options)
+        chunks = list(turn)
+        return Generation("".join(c.text for c in chunks), [c.token for c in chunks if c.token >= 0], turn.stats)
 
     def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0, seed: Optional[int] = None,
-               top_p: float = 1.0, **options) -> Iterator:
-        """Like Runtime.stream, on this session's history (same options); stats land in self.last_stats."""
+               top_p: float = 1.0, **options) -> Turn:
+        """Like Runtime.stream, on this session's history (same options); the Turn's stats are this turn's
+        (also in self.last_stats once it ends)."""
+        stats = TurnStats()
+        return Turn(self._stream(prompt, max_tokens, temperature, seed, top_p, stats, options), stats)
+
+    def _stream(self, prompt, max_tokens, temperature, seed, top_p, stats: TurnStats, options) -> Iterator:
         self._check_open()
         start = time.perf_counter()
         delta, new_msgs = self._delta(prompt)
@@ -165,12 +170,11 @@ class Session:
         try:
             for chunk in self.rt.stream_tokens(self.tokens, self.cache, max_tokens, temperature, seed, top_p,
                                                reused_tokens=self.kv_tokens, progress=progress, fed=fed,
-                                               **options):
+                                               stats=stats, **options):
                 first = first or time.perf_counter()
                 texts.append(chunk.text)
                 yield chunk
         finally:
-            stats = self.rt.last_stats
             eos = set(self.rt.tokenizer.eos_token_ids)
             self._end_turn(prompt_tokens, fed, [t for t in fed if t not in eos], new_msgs, "".join(texts))
             c = self.checkpoint(auto=True)
@@ -355,7 +359,7 @@ class Session:
         if self.kv_name:
             self.rt.unregister_kv(self.kv_name)
         self.closed = True
-        release_lock(self.rt.home, self.name)  # issue 15
+        release_lock(self.rt.home, self.name)
 
     def _check_open(self):
         if self.closed:

@@ -2,10 +2,9 @@
 
 Every forward pass pays a fixed cost (reading the weights, dispatching each layer's ops) besides a cost per
 row. A prefill cut into chunks of R rows pays the fixed cost once per chunk, so its overhead is about
-fixed / (R x per_row). A fixed cap tuned on one model is wrong for another: on the default 135M model a
-step costs ~0.1 s plus ~6.4 ms a row and 128 rows keep the overhead near 1/8; on a wide model (7-8B
-layer shapes, 2 layers) a step costs ~0.5 s plus ~8.7 ms a row, and 128-row chunks ran at 0.78x mlx-lm's
-throughput (c=16) where 512 reached 1.02x. So the cap is the floor (`PREFILL_WITH_DECODE`) or the rows that
+fixed / (R x per_row). A fixed cap tuned on one model is wrong for another (a wide model's steps cost far
+more beside their rows than the default model's: docs/benchmarks.md has the measurements), and on one
+machine for another. So the cap is the floor (`PREFILL_WITH_DECODE`, engine/scheduler.py) or the rows that
 keep the fixed cost at most 1/`OVERHEAD_RATIO` of a chunk's, whichever is more, within the step's rows; a
 long prefill still stalls the decoders for one chunk a step, never more.
 """

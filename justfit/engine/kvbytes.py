@@ -5,7 +5,7 @@ shapes only, nothing is computed), so every KV format, key format and key width 
 kvexec stores it. A sequence's pages: sealed pages before quantized_kv_start stay full precision, later
 sealed pages are quantized, and the open last page is a full-precision buffer of a whole page (16-bit like
 the sealed ones: the scheduler's caches run `for_batch`, kvexec/cache.py, from the moment two run; a request
-alone keeps a float32 open page (in the pool's bytes) and a float window (counted by Engine.used_bytes): speed
+alone keeps a float32 open page (in the pool's bytes) and a float window (counted by the KV manager, engine/kv.py): speed
 copies the budget drops first).
 """
 
@@ -39,7 +39,7 @@ def _page_bytes(model, kv) -> tuple:
     """(full-precision page, quantized page) bytes of one page id across the paged layers."""
     import mlx.core as mx
 
-    from .kvexec.formats import full_codecs, make_codecs
+    from ..kvexec.formats import full_codecs, make_codecs
 
     a = model.args
     heads = getattr(a, "num_key_value_heads", None) or a.num_attention_heads

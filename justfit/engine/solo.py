@@ -1,81 +1,25 @@
-"""THE generation path: every turn of every front (Runtime, sessions, agents, CLI, benches) runs here.
+"""The lone-sequence token loop: a turn on caches the caller owns (rt.stream, sessions, chat, agents).
 
 `token_steps` is modelled on mlx-lm's `generate_step`: chunked prefill of the tokens not yet in the
-cache (decoder stack only for intermediate chunks), then decode with a sampler, logits processors
-(repetition penalty, logit bias, caller's), a grammar constraint with forced tokens, stop token ids
-and, for plain greedy decoding, speculative verification of drafted tokens. PhaseSwap phases are
-entered through the residency passed in. `stream_turn` turns the ids into text chunks, cuts at stop
-strings and fills TurnStats. Nothing else in JustFit calls the model to produce a token.
+cache (decoder stack only for intermediate chunks), then decode with overlapped steps, choosing each
+token through the request's Chooser (sampling.py: processors, grammar and forced tokens, seeds) and, for
+plain greedy decoding, verifying drafted tokens (speculative.py). PhaseSwap phases are entered through
+the residency passed in. `stream_turn` turns the ids into text chunks, cuts at stop strings and fills
+the TurnStats the caller owns. The core (core.py) serves submitted requests with the same choice,
+speculation and single-sequence KV modes; this loop is the part not yet folded into it.
 """
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Set
 
-from .errors import UserError
-from .models.vocab import check_token_ids, vocab_size
-from .turns import Chunk, TurnStats
+from ..errors import UserError
+from ..models.vocab import check_token_ids, vocab_size
+from ..turns import Chunk, TurnStats
+from .sampling import Chooser, Sampling, StopText
+from .speculative import speculate
 
 PREFILL_STEP = 2048
 ONE_PASS = 256  # prompts up to this many new tokens are prefilled with the LM head in a single pass
-TIE_EPS = 1e-3
-
-
-@dataclass
-class Sampling:
-    """How to pick tokens. temperature 0 is greedy; top_k 0 / top_p 1 / min_p 0 turn those filters off."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: Optional[float] = None
-    logit_bias: Optional[dict] = None
-    seed: Optional[int] = None
-    stop: Sequence[str] = ()
-    logits_processors: Sequence[Callable] = ()
-    constraint: object = None  # forced() -> ids, apply(logits) -> logits, advance(id), done
-
-    def __post_init__(self):
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        self.logits_processors = list(self.logits_processors or ())
-        _check(self.temperature >= 0, f"temperature must be >= 0, not {self.temperature}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], not {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, not {self.top_k}")
-        _check(0 <= self.min_p < 1, f"min_p must be in [0, 1), not {self.min_p}")
-        rp = self.repetition_penalty
-        _check(rp is None or rp > 0, f"repetition_penalty must be > 0, not {rp}")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-               f"seed must be an integer >= 0, not {self.seed}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        bias = self.logit_bias or {}
-        _check(all(isinstance(k, int) for k in bias), "logit_bias keys must be token ids (integers)")
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy with nothing rewriting logits: the only case where drafted tokens can be verified."""
-        return self.temperature == 0 and self.constraint is None and not self.processors_needed
-
-    @property
-    def processors_needed(self) -> bool:
-        return bool(self.logits_processors or self.logit_bias or self.repetition_penalty not in (None, 1.0))
-
-    def processors(self) -> List[Callable]:
-        from mlx_lm.sample_utils import make_logits_processors
-
-        rp = None if self.repetition_penalty in (None, 1.0) else self.repetition_penalty
-        return make_logits_processors(self.logit_bias or None, rp) + list(self.logits_processors)
-
-    def sampler(self) -> Callable:
-        from mlx_lm.sample_utils import make_sampler
-
-        top_p = self.top_p if self.top_p < 1 else 0.0
-        return make_sampler(temp=self.temperature, top_p=top_p, min_p=self.min_p, top_k=self.top_k)
-
-
-def _check(ok: bool, message: str):
-    if not ok:
-        raise UserError(message)
 
 
 def _body(model):
@@ -128,23 +72,10 @@ def prefill(model, cache, ids: List[int], residency=None, progress: Optional[Cal
 def _computes_while_built(cache) -> bool:
     """A decode step on `cache` runs the CPU kernel, which evaluates as the step is built (kvexec.kernel_serves):
     building the next step before reading the pending token would only read it a step late."""
-    from .kvexec import PagedKVCache, kernel_serves
+    from ..kvexec import PagedKVCache, kernel_serves
 
     first = next((c for c in cache if isinstance(c, PagedKVCache) and c.window is None), None)
     return first is not None and kernel_serves([first])
-
-
-def _max_draft(cache, room: int) -> int:
-    """Longest draft that keeps every trim exact: stop before a page that would seal quantized."""
-    k = room
-    for c in cache:
-        if not c.is_trimmable():
-            return 0
-        seq, kv = getattr(c, "seq", None), getattr(c, "kv", None)
-        if seq is not None and kv is not None and kv.bits != 16:
-            P = seq.page_size
-            k = min(k, P - (c.offset % P) - 2)
-    return k
 
 
 def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens: int = 256,
@@ -160,17 +91,13 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
     counts = counts if counts is not None else {}
     for key in ("reload_s", "draft_passes", "drafted_tokens", "accepted_tokens", "forced_tokens"):
         counts.setdefault(key, 0)
-    sample, processors, constraint = sampling.sampler(), sampling.processors(), sampling.constraint
-    seen = list(history) + list(prompt)  # what logits processors see (prompt + generated)
+    chooser = Chooser(sampling)
+    processors, constraint = chooser.processors, chooser.constraint
+    seen = list(history) + list(prompt)  # every token before the one being chosen (prompt + generated)
 
-    def choose(logits):
-        if processors:
-            ctx = mx.array(seen)
-            for p in processors:
-                logits = p(ctx, logits)
-        if constraint is not None:
-            logits = constraint.apply(logits)
-        return sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    def choose(logits, ahead: int = 0):
+        """The token after `seen` (and `ahead` tokens fed but not yet read into it)."""
+        return chooser.pick(logits, seen, len(seen) + ahead)
 
     def forward(ids):
         return model(mx.array(ids)[None], cache=cache)[:, -1, :]
@@ -201,7 +128,7 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
             if overlap and not wait and not built:
                 last = n + 1 >= max_tokens
                 logits = model(y[None], cache=cache)[:, -1, :]  # feeds the pending token, still unread
-                nxt = None if last else choose(logits)
+                nxt = None if last else choose(logits, ahead=1)
                 mx.async_eval(logits if last else nxt)
                 tok = int(y.item())
                 seen.append(tok)
@@ -222,8 +149,7 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
                 continue
             t_tok = None
             tok = int(y.item())
-            if constraint is not None:
-                constraint.advance(tok)
+            chooser.advance(tok)
             if spec:
                 if not known:
                     drafter.extend([tok])
@@ -243,8 +169,8 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
                 force_plain = False
             finished = tok in stop or (constraint is not None and constraint.done) or n + 1 >= max_tokens
             feed = [tok]
-            if constraint is not None and not finished:
-                forced = constraint.forced()[: max_tokens - n - 1]
+            if not finished:
+                forced = chooser.forced(max_tokens - n - 1)
                 counts["forced_tokens"] += len(forced)
                 feed += forced
             ahead = built and len(feed) == 1  # the step computes as it is built: show tok first, then feed it
@@ -280,92 +206,6 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
                 mx.clear_cache()
 
 
-def speculate(model, cache, tok: int, drafter, gate, room: int, stop, counts: dict, enter=_noop_enter):
-    """One draft+verify pass after `tok` (the pending token, not yet in `cache`) for plain greedy decoding,
-    if the gate is open and the drafter proposes: (tokens now in the cache, `tok` first; the next pending
-    token, None after a stop id; whether the next step must be plain) or None when no pass ran. `room`
-    bounds the drafts; drafter.hist must end with tok. The single-sequence loop and the batching engine's
-    lone-request mode both call this."""
-    if gate is not None and not gate.open():
-        return None
-    room = min(gate.k if gate else 4, room)
-    k = min(room, _max_draft(cache, room))
-    drafts = drafter.propose(k) if k >= 1 else []
-    if not drafts:
-        return None
-    return _verify(model, cache, tok, drafts, stop, gate, counts, enter, drafter)
-
-
-def _verify(model, cache, tok: int, drafts: List[int], stop, gate, counts, enter, drafter):
-    """One pass over [tok, d1..dk]: keep tok and the accepted drafts in the cache, trim the rest. Returns
-    (kept tokens, next pending token or None after a stop token, next step plain?). A position whose
-    top-2 log-probabilities are closer than TIE_EPS is recomputed by a plain step, so batched-GEMM
-    rounding can never flip a greedy choice (then the pending token is already in drafter.hist)."""
-    import mlx.core as mx
-
-    t0 = time.perf_counter()
-    enter("verify", caches=cache)
-    k = len(drafts)
-    logits = model(mx.array([tok] + drafts)[None], cache=cache)[0]
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    top2 = mx.topk(lp, 2, axis=-1)
-    choice = mx.argmax(lp, axis=-1)
-    mx.eval(choice, top2)
-    choice, top2 = choice.tolist(), top2.tolist()
-    accepted, pending, tie, stopped = 0, None, False, tok in stop
-    for j in range(k + 1):  # position j decides the token after input j
-        if stopped:
-            break
-        if abs(top2[j][1] - top2[j][0]) < TIE_EPS:
-            tie = True
-            break
-        if j == k or choice[j] != drafts[j]:
-            pending = choice[j]
-            break
-        accepted += 1
-        stopped = drafts[j] in stop
-    out = [tok] + drafts[:accepted]
-    drafter.extend(drafts[:accepted])
-    counts["draft_passes"] = counts.get("draft_passes", 0) + 1
-    counts["drafted_tokens"] = counts.get("drafted_tokens", 0) + k
-    if tie and accepted == 0:  # nothing new decided: rewind the whole pass, redo tok plainly
-        for c in cache:
-            c.trim(k + 1)
-        return [], tok, True
-    if tie:
-        pending, out = out[-1], out[:-1]  # the last accepted draft becomes pending (unfed)
-    for c in cache:
-        c.trim(k + 1 - len(out))
-    counts["accepted_tokens"] = counts.get("accepted_tokens", 0) + len(out) - 1
-    if gate is not None:
-        gate.spec(time.perf_counter() - t0, k, len(out) - 1)
-    return out, (None if stopped else pending), tie
-
-
-class StopText:
-    """Cuts streamed text at the first stop string, holding back a tail that may start one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops, self.buf, self.hit = list(stops), "", False
-
-    def feed(self, text: str) -> str:
-        """The text that can be emitted now."""
-        if not self.stops:
-            return text
-        self.buf += text
-        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.buf, self.hit = self.buf[:cut], "", True
-            return out
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
-        out, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
-        return out
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
-
-
 def stream_turn(model, tokenizer, tokens: List[int], cache, reused: int, max_tokens: int, sampling: Sampling,
                 stats: TurnStats, residency=None, drafter=None, gate=None, steer=None,
                 progress: Optional[Callable] = None, fed: Optional[List[int]] = None) -> Iterator[Chunk]:
@@ -381,8 +221,6 @@ def stream_turn(model, tokenizer, tokens: List[int], cache, reused: int, max_tok
     if not 0 <= reused < len(tokens):
         raise ValueError("reused tokens must leave at least one token to prefill")
     check_token_ids(tokens, vocab_size(model))
-    if sampling.seed is not None:
-        mx.random.seed(sampling.seed)
     detok = tokenizer.detokenizer
     detok.reset()
     eos = set(tokenizer.eos_token_ids)

@@ -1,0 +1,237 @@
+"""The engine core: the step loop that every submitted request runs in.
+
+Each step: the scheduler plans (admission, chunked prefill beside decodes, preemption), the runner runs
+the plan as one forward pass (or a speculative verify for a lone greedy request), and the core hands each
+finished row's token to its Request, which emits text or says it is done; the KV manager releases and
+publishes its pages. While every running request decodes greedily, the next pass is queued on this pass's
+argmax before it is read, so building the graph overlaps the computation (mlx-lm's loops do the same).
+Callers step it synchronously (iterating a Request) or through its one worker thread (`executor`, for
+asyncio fronts); a lock keeps steps one at a time.
+"""
+
+import itertools
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+from ..errors import UserError
+from ..models.vocab import check_token_ids, vocab_size
+from ..turns import Chunk, Generation
+from .kv import KVManager
+from .request import DONE, RUNNING, Request
+from .runner import Runner
+from .sampling import Sampling
+from .scheduler import MAX_BATCH, STEP_TOKENS, Scheduler
+
+
+class Engine:
+    """One model, one page pool, one loop; fronts (Runtime.submit, the server, benches) submit to it."""
+
+    def __init__(self, model, tokenizer, make_cache: Callable[[], list], index=None, kv=None,
+                 budget_bytes: Optional[int] = None, step_tokens: int = STEP_TOKENS, max_batch: int = MAX_BATCH,
+                 context: Optional[int] = None, residency=None, eos: Optional[set] = None, drafter=None,
+                 gate=None, prefill_with_decode: Optional[int] = None):
+        if prefill_with_decode is not None and prefill_with_decode < 1:
+            raise UserError(f"prefill_with_decode must be >= 1 row, not {prefill_with_decode}")
+        self.tokenizer = tokenizer
+        self.kv = KVManager(model, make_cache, index, kv, budget_bytes)
+        self.scheduler = Scheduler(self.kv, step_tokens, max_batch, prefill_with_decode)
+        self.runner = Runner(model, self.kv, residency)
+        self.drafter, self.gate = drafter, gate  # a lone plain-greedy request decodes speculatively
+        self.counts = {"draft_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+        args = getattr(model, "args", None)
+        self.context = context or getattr(args, "max_position_embeddings", None) or 1 << 20
+        self.vocab = vocab_size(model)
+        self.eos = set(getattr(tokenizer, "eos_token_ids", ()) or ()) if eos is None else set(eos)  # stop ids
+        self.lock = threading.RLock()
+        self.steps = 0
+        self._ids = itertools.count()
+        self._executor = None
+        self._ahead: Optional[tuple] = None  # (plan, logits, argmax) of the next step, queued early
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        return self.kv.budget_bytes
+
+    # -- requests ----------------------------------------------------------------------------------
+    def submit(self, tokens: List[int], max_tokens: int = 256, **sampling) -> Request:
+        """Queue a request; bad requests raise UserError here and never touch the running batch."""
+        tokens = list(tokens)
+        if not tokens:
+            raise UserError("the prompt is empty: give at least one token")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise UserError(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
+        tokens = check_token_ids(tokens, self.vocab)
+        if len(tokens) + max_tokens > self.context:
+            raise UserError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                            f"context of {self.context} tokens")
+        self.kv.check(len(tokens) + max_tokens)
+        req = Request(self, next(self._ids), tokens, max_tokens, Sampling(**sampling), self.tokenizer)
+        with self.lock:
+            self.scheduler.add(req)
+        return req
+
+    def cancel(self, req: Request):
+        with self.lock:
+            if req.state != DONE:
+                self._finish(req, "cancelled", publish=False)
+
+    def set_drafter(self, drafter, gate=None):
+        """Drafter (and its gate) for the lone-request speculative mode; None turns it off."""
+        with self.lock:
+            self.drafter, self.gate = drafter, gate
+
+    def executor(self):
+        """The single worker thread async callers step the engine on (all of their MLX work on one thread)."""
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="justfit-engine")
+        return self._executor
+
+    def idle(self) -> bool:
+        return self.scheduler.idle()
+
+    def run(self, requests: List[Request]) -> List[Generation]:
+        """Step until every request is done; their Generations in order."""
+        while not all(r.done for r in requests):
+            self.step()
+        return [r.result() for r in requests]
+
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self) -> int:
+        """Plan, run one forward pass (or a verify), take the tokens. Returns rows computed."""
+        with self.lock:
+            lone, t0, waited = None, time.perf_counter(), False
+            current = self._queued_pass()
+            if current is None:
+                self.scheduler.admit()
+                lone = self.scheduler.lone() if self.drafter is not None else None
+                if lone is not None and self._speculate(lone):
+                    return 1
+                plan = self.scheduler.schedule()
+                if not plan:
+                    return 0
+                self.runner.enter("decode")
+                t0, waited = time.perf_counter(), True  # built and computed in this call (not queued before)
+                current = self.runner.start(plan)
+            plan, logits, greedy = current
+            nxt = self._queue_next(plan, greedy)  # built while this pass computes
+            greedy = greedy.tolist()
+            self.steps += 1
+            now = time.perf_counter()
+            if waited:
+                self.scheduler.chunks.observe(sum(n for _, n in plan), now - t0)
+            if lone is not None and self.gate is not None and plan == [(lone, 1)]:
+                self.gate.plain(now - t0)  # what a plain step costs, for the drafting gate
+            for j, (r, n) in enumerate(plan):
+                self.kv.publish_sealed(r, r.cached - n)
+                if not r.left:
+                    self._take(r, self.runner.pick(r, logits[j], greedy[j]), now)
+            self._ahead = nxt
+            return sum(n for _, n in plan)
+
+    def _queued_pass(self) -> Optional[tuple]:
+        """(plan, logits, argmax) of the pass the last step queued, without rows cancelled since; None if none."""
+        import mlx.core as mx
+
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        rows = [j for j, (r, _) in enumerate(ahead[0]) if r.state == RUNNING]
+        if not rows:
+            return None
+        plan, logits, greedy = ahead
+        if len(rows) < len(plan):  # a row was cancelled in between: its output is dropped
+            plan = [plan[j] for j in rows]
+            logits, greedy = logits[mx.array(rows)], greedy[mx.array(rows)]
+        for r, n in plan:  # their tokens are in their caches since that pass was built
+            r.computed(n)
+        return plan, logits, greedy
+
+    def _queue_next(self, plan: List[tuple], greedy) -> Optional[tuple]:
+        """Queue the next decode-only pass on this pass's argmax when the scheduler allows it, no lone request
+        drafts instead, and the CPU kernel does not serve it (it computes while built: nothing to overlap).
+        A row that stops at this token had one token too many fed; its sequence is released (pages hold
+        only what `cached` says)."""
+        if self.drafter is not None and len(plan) == 1:
+            return None
+        nxt = self.scheduler.decode_only_next(plan)
+        if nxt is None or self.runner.computes_while_built(plan):
+            return None
+        return self.runner.queue(nxt, greedy)
+
+    def _speculate(self, r: Request) -> bool:
+        """One draft + verify pass for the lone greedy request r; False: run a plain step instead."""
+        if r.force_plain:
+            r.force_plain = False
+            return False
+        before = dict(r.counts)
+        res = self.runner.speculate(r, self.drafter, self.gate, self.eos)
+        if res is None:
+            return False
+        out, pending = res
+        for key in self.counts:
+            self.counts[key] += r.counts[key] - before[key]
+        self.steps += 1
+        now = time.perf_counter()
+        for t in out[1:] + ([pending] if pending is not None and out else []):
+            if self._take(r, t, now):
+                break
+        return True
+
+    def _take(self, r: Request, tok: int, now: float) -> bool:
+        """r's next token: the Request emits it, or r finishes. True when r finished."""
+        reason = r.accept(tok, self.eos, now)
+        if reason is not None:
+            self._finish(r, reason)
+        return reason is not None
+
+    def _finish(self, r: Request, reason: str, publish: bool = True):
+        self.scheduler.remove(r)
+        self.kv.release(r, publish)
+        drafted = r.counts["draft_passes"] > 0
+        r.close(reason, getattr(self.drafter, "name", "drafter") if drafted else None)
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def used_bytes(self) -> int:
+        return self.kv.used_bytes()
+
+    def report(self) -> Dict[str, int]:
+        s = self.scheduler
+        return {"queued": len(s.queue), "running": len(s.running), "steps": self.steps,
+                "preempted": s.preempted, "kv_bytes": self.kv.used_bytes(),
+                "budget_bytes": self.kv.budget_bytes or 0, **self.counts}
+
+
+class AsyncRequest:
+    """asyncio view of a Request: `async for chunk in req`, `await req.result()`, `req.cancel()`. Engine
+    steps run on the engine's one worker thread, so the event loop never blocks on the model."""
+
+    def __init__(self, request: Request):
+        self.request = request
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Chunk:
+        import asyncio
+
+        chunk = await asyncio.get_running_loop().run_in_executor(self.request.engine.executor(), _next_or_none,
+                                                                 self.request)
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    async def result(self) -> Generation:
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(self.request.engine.executor(),
+                                                                self.request.result)
+
+    def cancel(self):
+        self.request.cancel()
+
+
+def _next_or_none(req: Request) -> Optional[Chunk]:
+    return next(req, None)
