@@ -1,12 +1,11 @@
 """Row-major weights on the CPU: a float `nn.Linear` stores W^T ([in, out]), so a token's x @ W.T is one plain
 row-major product; a tied embedding stores its table the same way, for its head.
 
-Why: MLX's CPU matmul hands both layouts to BLAS as a GEMM, and OpenBLAS 0.3.21 multiplies one row by a
-transposed weight ~15-40% slower than by a row-major one (576 x 1536: 0.30 vs 0.25 ms; the 49152 x 576
-tied head: 15.3 vs 9.4 ms), about even from a few hundred rows (prefill chunks). A decode step is mostly
-such one-row products: the default model decodes 17-19% faster (benchmarks/repro/row_major_ab.py). Same
-bytes and the model folder's parameter names; only the layout differs. The price: a lookup reads a column
-of the table (~20 us a token more in a 2k-token prefill chunk, 45 of ~17,000 ms). `standard` undoes it,
+Why: MLX's CPU matmul hands both layouts to BLAS as a GEMM, and OpenBLAS multiplies one row by a transposed
+weight slower than by a row-major one, about even from a few hundred rows (prefill chunks). A decode step
+is mostly such one-row products, so decode gains (benchmarks/repro/row_major_ab.py; results in
+docs/benchmarks.md). Same bytes and the model folder's parameter names; only the layout differs. The price:
+a lookup reads a column of the table, a small cost next to a prefill chunk's matmuls. `standard` undoes it,
 for code that expects W as [out, in] (mlx-lm's `model.shard`, a baseline run as mlx-lm's users get it).
 A module is left alone when its model's source reads `<name>.weight` itself (minicpm's and seed_oss's
 heads multiply `embed_tokens.weight.T`): only modules reached through __call__ / as_linear change.
@@ -22,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import switched_off
+from .device import backend
 
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -58,8 +58,6 @@ class RowMajorEmbedding(nn.Module):
 
 def enabled() -> bool:
     """Row-major on the CPU backend unless JUSTFIT_ROW_MAJOR=0 (Metal and CUDA have their own GEMV)."""
-    from .load import backend
-
     return not switched_off("JUSTFIT_ROW_MAJOR") and backend() == "cpu"
 
 

@@ -3,6 +3,7 @@
 import os
 
 from ..errors import UserError
+from .device import backend
 from .registry import resolve
 
 WEIGHT_POLICIES = ("auto", "fp32", "quantized")
@@ -21,18 +22,6 @@ def _check_chat_template(tokenizer, spec: str):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     except Exception as e:  # jinja2 syntax/undefined errors and anything the template raises
         raise UserError(f"model {spec!r} has a broken chat template ({type(e).__name__}: {_first_line(e)})") from None
-
-
-def backend() -> str:
-    """'metal', 'cuda' or 'cpu': the device MLX computes on."""
-    import mlx.core as mx
-
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return "cpu"
 
 
 def weight_policy(model) -> str:
@@ -98,7 +87,7 @@ def load(spec: str = "default", home=None, weights: str = None):
         _to_float32(model)
     mx.eval(model.parameters())
     if layout.enabled():
-        layout.row_major(model)  # x @ W, not x @ W.T: 17-19% faster decode on the CPU (layout.py)
+        layout.row_major(model)  # x @ W, not x @ W.T: faster one-row products on the CPU (layout.py)
     model.justfit_weights = policy
     model.justfit_path = path
     return model, tokenizer
