@@ -1,9 +1,9 @@
 """Give MLX's Linux CPU wheel a fast BLAS: `import justfit` loads Debian's OpenBLAS before MLX.
 
-The `mlx[cpu]` wheel links the reference BLAS it bundles (~8 GFLOP/s here); OpenBLAS loaded with
-RTLD_GLOBAL first interposes the same symbols (~120 GFLOP/s), like LD_PRELOAD but in-process, so the
-CLI, the tests and Python users all get it without a re-exec. JUSTFIT_OPENBLAS=0 turns it off; a path
-uses another libblas.so.3. Its worker threads are told to sleep as soon as a call ends
+The `mlx[cpu]` wheel links the reference BLAS it bundles, an order of magnitude slower than OpenBLAS
+(docs/benchmarks.md); OpenBLAS loaded with RTLD_GLOBAL first interposes the same symbols, like LD_PRELOAD
+but in-process, so the CLI, the tests and Python users all get it without a re-exec. JUSTFIT_OPENBLAS=0
+turns it off; a path uses another libblas.so.3. Its worker threads are told to sleep as soon as a call ends
 (OPENBLAS_THREAD_TIMEOUT, unless set): by default they spin ~0.1 s after every call, which on a small
 machine takes the cores MLX's other CPU streams need (parallel attention, kvexec/streams.py).
 """

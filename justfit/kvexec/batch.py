@@ -140,8 +140,7 @@ GROUPS = (FULL, QUANT, OPEN)  # sealed float, sealed quantized, the page being f
 OPEN_STEP = 32  # open pages are read in whole steps of this many slots (few distinct shapes, little waste)
 DEQUANT_TOKENS = 4096  # most sealed 4-bit tokens (all rows of a batch) a memo keeps dequantized to float32, per
 # layer, where the CPU kernel does not serve the batch (another CPU or format, a row with no 4-bit page): MLX's
-# CPU quantized_matmul scores and mixes them ~5x slower than BLAS reads their float copy (c=4, 256 tokens a
-# row: ~0.9 vs ~0.2 ms a layer); default model: 46 KB a token over all layers, 188 MB at the cap
+# CPU quantized_matmul scores and mixes them several times slower than BLAS reads their float copy; default model: 46 KB a token over all layers, 188 MB at the cap
 
 
 def _split_pages(cache: PagedKVCache):

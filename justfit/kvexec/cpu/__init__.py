@@ -37,8 +37,8 @@ QUANT, BF16, F32 = 0, 1, 2  # page kinds q4.c reads
 PAGE = np.dtype([("kind", np.int32), ("n", np.int32), ("k", np.uintp), ("ks", np.uintp), ("kb", np.uintp),
                  ("v", np.uintp), ("vs", np.uintp), ("vb", np.uintp), ("hs", np.int64)], align=True)  # page_t
 SEQ = np.dtype([("q", np.uintp), ("pages", np.uintp), ("np", np.int32), ("out", np.uintp)], align=True)  # seq_t
-THREAD_WORK = 32768  # tokens x query rows of a call below which one thread does it all (~0.4 ms at head dim 64:
-# more than starting and joining a second thread costs)
+THREAD_WORK = 32768  # tokens x query rows of a call below which one thread does it all (less work than this
+# does not pay for starting and joining a second thread)
 MAX_THREADS = 16  # q4.c's cap
 _state = {"lib": None, "tried": False, "why": ""}
 _lock = threading.Lock()
