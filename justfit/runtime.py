@@ -10,7 +10,8 @@ from typing import Callable, Iterator, List, Optional, Tuple, Union
 from .config import KVConfig, home as home_dir
 from .errors import UserError
 from .engine.sampling import Sampling
-from .engine.solo import prefill, stream_turn
+from .engine.runner import prefill
+from .engine.solo import stream_turn
 from .turns import Chunk, Generation, Turn, TurnStats
 
 Prompt = Union[str, List[dict], List[int]]

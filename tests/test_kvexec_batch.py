@@ -7,7 +7,8 @@ import pytest
 from justfit.config import KVConfig
 from justfit.kvexec import attention, make_cache, streams
 from justfit.kvexec.attention import paged_attention
-from justfit.kvexec.batch import BatchPlan, _decode_batch, forward
+from justfit.engine.runner import batched_logits as forward
+from justfit.kvexec.batch import BatchPlan, _decode_batch
 from justfit.kvexec.pages import Page, PagePool
 
 PROMPTS = ["Explain why the sky is blue in two sentences.",

@@ -5,8 +5,7 @@ the core loop (in the split of vLLM's v1 engine, in mlx-lm's small-file style).
     sampling.py   Sampling, Chooser (processors, grammar, forced tokens, seeds), StopText
     scheduler.py  policy only: admission, the step plan, preemption (no MLX)
     kv.py         the KV manager: caches attached and released, the running byte count, speed copies
-    runner.py     executes a plan: lone or batched forward pass, speculative verify
-    speculative.py  draft + verify for one greedy sequence
+    runner.py     every model call that produces tokens: prefill, lone and batched passes, speculative verify
     core.py       the step loop (Engine), synchronous or on its one worker thread
     solo.py       the lone-sequence loop over caller-owned caches (rt.stream, sessions)
 """

@@ -1,14 +1,190 @@
-"""Executes a plan: one forward pass over [(request, rows)], lone or batched, and the speculative verify
-of a lone greedy request. It decides nothing: the scheduler chose the rows, the core takes the tokens.
+"""Every call of the model that produces tokens: prefill chunks, a lone sequence's step, the batched pass
+over a plan, and the speculative verify. Nothing else in JustFit runs the model to serve a token (the
+probe and the benches time the model and mlx-lm directly; a drafter's own small model only proposes).
 
-A lone decode row runs mlx-lm's single-sequence call on its own caches (the plain token loop, cheaper than
-the batched pass, whose decode attention stacks a padded page run every step); anything else runs the
-batched pass of kvexec/batch.py over the shared page pool.
+The Runner executes a plan, [(request, rows)], and decides nothing: the scheduler chose the rows, the core
+takes the tokens. A lone decode row runs mlx-lm's single-sequence call on its own caches (cheaper than the
+batched pass, whose decode attention stacks a padded page run every step); anything else runs the batched
+pass of kvexec/batch.py over the shared page pool. The lone-sequence loop (solo.py) uses the functions.
+
+Speculative decoding of one greedy sequence: a drafter proposes tokens after the pending one and a single
+pass over the sequence's own pages verifies them; rejected drafts are trimmed, nothing moves. Only plain
+greedy decoding drafts, so output is unchanged; a position whose two best log-probabilities are closer than
+TIE_EPS is left to a plain step, so batched-GEMM rounding can never flip a greedy choice.
 """
 
-from typing import List, Optional
+import time
+from typing import Callable, List, Optional
 
-from .speculative import speculate
+PREFILL_STEP = 2048
+TIE_EPS = 1e-3
+
+
+def no_phase(*args, **kwargs) -> float:
+    return 0.0
+
+
+def last_logits(model, cache, ids):
+    """Logits [1, vocab] after feeding `ids` (a list, or an array of pending tokens) to one sequence."""
+    import mlx.core as mx
+
+    x = ids if isinstance(ids, mx.array) else mx.array(ids)
+    return model(x[None], cache=cache)[:, -1, :]
+
+
+def _body(model):
+    inner = getattr(model, "model", None)
+    return inner if inner is not None and hasattr(inner, "layers") and hasattr(inner, "norm") else None
+
+
+def prefill_workspace(model, n_tokens: int, context: int, head: bool = False) -> int:
+    """Rough float32 activation bytes of one prefill chunk (hidden, MLP, bounded attention block, and the
+    logits when the LM head runs on every position)."""
+    a = getattr(model, "args", None)
+    hidden = getattr(a, "hidden_size", 4096)
+    inter = getattr(a, "intermediate_size", 4 * hidden)
+    heads = getattr(a, "num_attention_heads", 32)
+    logits = 4 * n_tokens * getattr(a, "vocab_size", 32000) if head else 0
+    return 4 * n_tokens * (4 * hidden + 3 * inter) + 4 * heads * min(n_tokens, 2048) * min(context, 8192) + logits
+
+
+def prefill(model, cache, ids: List[int], residency=None, progress: Optional[Callable] = None,
+            step: int = PREFILL_STEP, after_chunk: Optional[Callable] = None) -> float:
+    """Run `ids` through the decoder stack into `cache` in chunks (no LM head), in the prefill phase.
+    progress(done, total) after each chunk; after_chunk() lets a session checkpoint. Returns reload seconds."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    if not ids:
+        return 0.0
+    enter = residency.enter if residency is not None else no_phase
+    context = (cache[0].offset if cache else 0) + len(ids)
+    reload_s = enter("prefill", caches=cache, workspace=prefill_workspace(model, min(step, len(ids)), context))
+    body, done = _body(model), 0
+    with mx.stream(generation_stream):
+        while done < len(ids):
+            n = min(step, len(ids) - done)
+            (body or model)(mx.array(ids[done:done + n])[None], cache=cache)
+            mx.eval([c.state for c in cache])  # this chunk's K/V must exist before the next reads it
+            mx.clear_cache()
+            done += n
+            if progress is not None:
+                progress(done, len(ids))
+            if after_chunk is not None:
+                after_chunk()
+    return reload_s
+
+
+def _max_draft(cache, room: int) -> int:
+    """Longest draft that keeps every trim exact: stop before a page that would seal quantized."""
+    k = room
+    for c in cache:
+        if not c.is_trimmable():
+            return 0
+        seq, kv = getattr(c, "seq", None), getattr(c, "kv", None)
+        if seq is not None and kv is not None and kv.bits != 16:
+            P = seq.page_size
+            k = min(k, P - (c.offset % P) - 2)
+    return k
+
+
+def speculate(model, cache, tok: int, drafter, gate, room: int, stop, counts: dict, enter=no_phase):
+    """One draft+verify pass after `tok` (the pending token, not yet in `cache`) for plain greedy decoding,
+    if the gate is open and the drafter proposes: (tokens now in the cache, `tok` first; the next pending
+    token, None after a stop id; whether the next step must be plain) or None when no pass ran. `room`
+    bounds the drafts; drafter.hist must end with tok. The single-sequence loop and the batching engine's
+    lone-request mode both call this."""
+    if gate is not None and not gate.open():
+        return None
+    room = min(gate.k if gate else 4, room)
+    k = min(room, _max_draft(cache, room))
+    drafts = drafter.propose(k) if k >= 1 else []
+    if not drafts:
+        return None
+    return _verify(model, cache, tok, drafts, stop, gate, counts, enter, drafter)
+
+
+def _verify(model, cache, tok: int, drafts: List[int], stop, gate, counts, enter, drafter):
+    """One pass over [tok, d1..dk]: keep tok and the accepted drafts in the cache, trim the rest. Returns
+    (kept tokens, next pending token or None after a stop token, next step plain?). A position whose
+    top-2 log-probabilities are closer than TIE_EPS is recomputed by a plain step, so batched-GEMM
+    rounding can never flip a greedy choice (then the pending token is already in drafter.hist)."""
+    import mlx.core as mx
+
+    t0 = time.perf_counter()
+    enter("verify", caches=cache)
+    k = len(drafts)
+    logits = model(mx.array([tok] + drafts)[None], cache=cache)[0]  # every drafted position's logits
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    top2 = mx.topk(lp, 2, axis=-1)
+    choice = mx.argmax(lp, axis=-1)
+    mx.eval(choice, top2)
+    choice, top2 = choice.tolist(), top2.tolist()
+    accepted, pending, tie, stopped = 0, None, False, tok in stop
+    for j in range(k + 1):  # position j decides the token after input j
+        if stopped:
+            break
+        if abs(top2[j][1] - top2[j][0]) < TIE_EPS:
+            tie = True
+            break
+        if j == k or choice[j] != drafts[j]:
+            pending = choice[j]
+            break
+        accepted += 1
+        stopped = drafts[j] in stop
+    out = [tok] + drafts[:accepted]
+    drafter.extend(drafts[:accepted])
+    counts["draft_passes"] = counts.get("draft_passes", 0) + 1
+    counts["drafted_tokens"] = counts.get("drafted_tokens", 0) + k
+    if tie and accepted == 0:  # nothing new decided: rewind the whole pass, redo tok plainly
+        for c in cache:
+            c.trim(k + 1)
+        return [], tok, True
+    if tie:
+        pending, out = out[-1], out[:-1]  # the last accepted draft becomes pending (unfed)
+    for c in cache:
+        c.trim(k + 1 - len(out))
+    counts["accepted_tokens"] = counts.get("accepted_tokens", 0) + len(out) - 1
+    if gate is not None:
+        gate.spec(time.perf_counter() - t0, k, len(out) - 1)
+    return out, (None if stopped else pending), tie
+
+
+def batched_logits(model, plan, tokens):
+    """Logits [segments, vocab] at each segment's last row after one forward pass over the plan's rows;
+    tokens: ids, or an array of them (not yet computed, when the caller queues a step ahead). The plan is
+    kvexec/batch.py's BatchPlan: every sequence's caches and rows, read and written in place."""
+    import mlx.core as mx
+
+    inputs = (tokens if isinstance(tokens, mx.array) else mx.array(list(tokens)))[:, None]
+    rows = mx.array(plan.last_rows())
+    inner, args = getattr(model, "model", None), getattr(model, "args", None)
+    if inner is not None and type(model).__module__.rsplit(".", 1)[-1] in _HEAD_MODELS:
+        h = _sampled_hidden(inner, plan, inputs, rows)  # only the rows that are sampled reach the LM head
+        if getattr(args, "tie_word_embeddings", False):
+            return inner.embed_tokens.as_linear(h)[:, -1]
+        return model.lm_head(h)[:, -1]
+    return model(inputs, cache=plan.layers)[rows, -1]
+
+
+_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3")  # model(x) == head(model.model(x)), nothing else
+# and model.model(x) == norm(layers(embed_tokens(x))) with no mask (BatchLayer.make_mask) when unpipelined
+
+
+def _sampled_hidden(inner, plan, inputs, rows):
+    """inner(inputs)[rows]. When the step has prompt rows, the last layer runs twice: over every row, only
+    writing K/V, then attention and MLP over the sampled rows alone; a prompt row's last-layer output is
+    never used (mlx-lm's prefill skips it by evaluating caches only), ~44% of a 2-layer wide model's FLOPs."""
+    from ..kvexec.batch import BatchLayer
+
+    layers = list(inner.layers)
+    if plan.rows == len(plan.segments) or getattr(inner, "pipeline_size", 1) != 1 or len(layers) != len(plan.layers):
+        return inner(inputs, cache=plan.layers)[rows]
+    h = inner.embed_tokens(inputs)
+    for layer, cache in zip(layers[:-1], plan.layers):
+        h = layer(h, None, cache)
+    layers[-1](h, None, BatchLayer(plan, len(layers) - 1, attend=False))  # every row's K/V into its pages
+    return inner.norm(layers[-1](h[rows], None, plan.sampled().layers[-1]))
 
 
 class Runner:
@@ -59,14 +235,14 @@ class Runner:
         """Logits [len(plan), vocab] at each request's last row; ids: a list, or the last step's argmax array."""
         import mlx.core as mx
 
-        from ..kvexec.batch import BatchPlan, forward
+        from ..kvexec.batch import BatchPlan
 
         if len(plan) == 1 and plan[0][1] == 1:
-            logits = self.model(mx.array(ids).reshape(1, 1), cache=plan[0][0].caches)[:, -1]
+            logits = last_logits(self.model, plan[0][0].caches, ids.reshape(1) if isinstance(ids, mx.array) else ids)
             if self.kv.over_budget():
                 self.kv.drop_copies()  # its decode memo does not fit beside the pages: workspace of this step only
             return logits
-        return forward(self.model, BatchPlan([(r.caches, n) for r, n in plan], *self.kv.memo(plan)), ids)
+        return batched_logits(self.model, BatchPlan([(r.caches, n) for r, n in plan], *self.kv.memo(plan)), ids)
 
     def pick(self, r, logits, greedy: int) -> int:
         """r's next token from its row's logits; `greedy` (the row's argmax) is used as is when nothing

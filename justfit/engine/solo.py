@@ -3,7 +3,7 @@
 `token_steps` is modelled on mlx-lm's `generate_step`: chunked prefill of the tokens not yet in the
 cache (decoder stack only for intermediate chunks), then decode with overlapped steps, choosing each
 token through the request's Chooser (sampling.py: processors, grammar and forced tokens, seeds) and, for
-plain greedy decoding, verifying drafted tokens (speculative.py). PhaseSwap phases are entered through
+plain greedy decoding, verifying drafted tokens (runner.py). PhaseSwap phases are entered through
 the residency passed in. `stream_turn` turns the ids into text chunks, cuts at stop strings and fills
 the TurnStats the caller owns. The core (core.py) serves submitted requests with the same choice,
 speculation and single-sequence KV modes; this loop is the part not yet folded into it.
@@ -16,57 +16,9 @@ from ..errors import UserError
 from ..models.vocab import check_token_ids, vocab_size
 from ..turns import Chunk, TurnStats
 from .sampling import Chooser, Sampling, StopText
-from .speculative import speculate
+from .runner import no_phase, last_logits, prefill, prefill_workspace, speculate
 
-PREFILL_STEP = 2048
 ONE_PASS = 256  # prompts up to this many new tokens are prefilled with the LM head in a single pass
-
-
-def _body(model):
-    inner = getattr(model, "model", None)
-    return inner if inner is not None and hasattr(inner, "layers") and hasattr(inner, "norm") else None
-
-
-def _noop_enter(*args, **kwargs) -> float:
-    return 0.0
-
-
-def prefill_workspace(model, n_tokens: int, context: int, head: bool = False) -> int:
-    """Rough float32 activation bytes of one prefill chunk (hidden, MLP, bounded attention block, and the
-    logits when the LM head runs on every position)."""
-    a = getattr(model, "args", None)
-    hidden = getattr(a, "hidden_size", 4096)
-    inter = getattr(a, "intermediate_size", 4 * hidden)
-    heads = getattr(a, "num_attention_heads", 32)
-    logits = 4 * n_tokens * getattr(a, "vocab_size", 32000) if head else 0
-    return 4 * n_tokens * (4 * hidden + 3 * inter) + 4 * heads * min(n_tokens, 2048) * min(context, 8192) + logits
-
-
-def prefill(model, cache, ids: List[int], residency=None, progress: Optional[Callable] = None,
-            step: int = PREFILL_STEP, after_chunk: Optional[Callable] = None) -> float:
-    """Run `ids` through the decoder stack into `cache` in chunks (no LM head), in the prefill phase.
-    progress(done, total) after each chunk; after_chunk() lets a session checkpoint. Returns reload seconds."""
-    import mlx.core as mx
-    from mlx_lm.generate import generation_stream
-
-    if not ids:
-        return 0.0
-    enter = residency.enter if residency is not None else _noop_enter
-    context = (cache[0].offset if cache else 0) + len(ids)
-    reload_s = enter("prefill", caches=cache, workspace=prefill_workspace(model, min(step, len(ids)), context))
-    body, done = _body(model), 0
-    with mx.stream(generation_stream):
-        while done < len(ids):
-            n = min(step, len(ids) - done)
-            (body or model)(mx.array(ids[done:done + n])[None], cache=cache)
-            mx.eval([c.state for c in cache])  # this chunk's K/V must exist before the next reads it
-            mx.clear_cache()
-            done += n
-            if progress is not None:
-                progress(done, len(ids))
-            if after_chunk is not None:
-                after_chunk()
-    return reload_s
 
 
 def _computes_while_built(cache) -> bool:
@@ -87,7 +39,7 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
-    enter = residency.enter if residency is not None else _noop_enter
+    enter = residency.enter if residency is not None else no_phase
     counts = counts if counts is not None else {}
     for key in ("reload_s", "draft_passes", "drafted_tokens", "accepted_tokens", "forced_tokens"):
         counts.setdefault(key, 0)
@@ -100,7 +52,7 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
         return chooser.pick(logits, seen, len(seen) + ahead)
 
     def forward(ids):
-        return model(mx.array(ids)[None], cache=cache)[:, -1, :]
+        return last_logits(model, cache, ids)
 
     with mx.stream(generation_stream):
         # A short prompt (a chat turn on a cached history) goes through the full model in one pass: the
@@ -127,7 +79,7 @@ def token_steps(model, prompt: List[int], cache, sampling: Sampling, max_tokens:
             built = _computes_while_built(cache)
             if overlap and not wait and not built:
                 last = n + 1 >= max_tokens
-                logits = model(y[None], cache=cache)[:, -1, :]  # feeds the pending token, still unread
+                logits = last_logits(model, cache, y)  # feeds the pending token, still unread
                 nxt = None if last else choose(logits, ahead=1)
                 mx.async_eval(logits if last else nxt)
                 tok = int(y.item())

@@ -10,7 +10,7 @@ sequence's own pages (kvexec/cache.py) and returns `BatchKV` handles; the attent
 paged attention on their own pages; all decode segments run together (`_decode_batch`), key run by key run
 over their stacked pages with one softmax (an online one, run by run, when the scores are big), so the
 workspace stays bounded by `RUN_ELEMENTS`. A step with prompt rows runs the last layer's attention and MLP
-for the sampled rows only (`forward`): the other rows need nothing of it but their K/V.
+for the sampled rows only (`batched_logits` in engine/runner.py): the other rows need nothing of it but their K/V.
 A row only ever reads pages of its own sequence's table.
 """
 
@@ -46,7 +46,7 @@ class BatchPlan:
 
     def sampled(self) -> "BatchPlan":
         """This plan read-only and cut to its sampled rows (each segment's last), once this plan has written
-        the step's K/V: `forward` runs the last layer's attention and MLP through it (_sampled_hidden)."""
+        the step's K/V: `batched_logits` (engine/runner.py) runs the last layer's attention and MLP through it (_sampled_hidden)."""
         return BatchPlan(self.segments, self.memo, self.dequant, self.positions[mx.array(self.last_rows())])
 
     def last_rows(self) -> List[int]:
@@ -380,35 +380,3 @@ def _cat(parts_list, template, n: int, T: int):
     if n == T:
         return cols
     return tuple(mx.pad(c, [(0, 0), (0, T - n)] + [(0, 0)] * (c.ndim - 2)) for c in cols)
-
-
-def forward(model, plan: BatchPlan, tokens: Seq[int]):
-    """Logits [segments, vocab] at each segment's last row after one forward pass over the plan's rows;
-    tokens: ids, or an array of them (not yet computed, when the caller queues a step ahead)."""
-    inputs = (tokens if isinstance(tokens, mx.array) else mx.array(list(tokens)))[:, None]
-    rows = mx.array(plan.last_rows())
-    inner, args = getattr(model, "model", None), getattr(model, "args", None)
-    if inner is not None and type(model).__module__.rsplit(".", 1)[-1] in _HEAD_MODELS:
-        h = _sampled_hidden(inner, plan, inputs, rows)  # only the rows that are sampled reach the LM head
-        if getattr(args, "tie_word_embeddings", False):
-            return inner.embed_tokens.as_linear(h)[:, -1]
-        return model.lm_head(h)[:, -1]
-    return model(inputs, cache=plan.layers)[rows, -1]
-
-
-_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3")  # model(x) == head(model.model(x)), nothing else
-# and model.model(x) == norm(layers(embed_tokens(x))) with no mask (BatchLayer.make_mask) when unpipelined
-
-
-def _sampled_hidden(inner, plan: BatchPlan, inputs, rows):
-    """inner(inputs)[rows]. When the step has prompt rows, the last layer runs twice: over every row, only
-    writing K/V, then attention and MLP over the sampled rows alone; a prompt row's last-layer output is
-    never used (mlx-lm's prefill skips it by evaluating caches only), ~44% of a 2-layer wide model's FLOPs."""
-    layers = list(inner.layers)
-    if plan.rows == len(plan.segments) or getattr(inner, "pipeline_size", 1) != 1 or len(layers) != len(plan.layers):
-        return inner(inputs, cache=plan.layers)[rows]
-    h = inner.embed_tokens(inputs)
-    for layer, cache in zip(layers[:-1], plan.layers):
-        h = layer(h, None, cache)
-    layers[-1](h, None, BatchLayer(plan, len(layers) - 1, attend=False))  # every row's K/V into its pages
-    return inner.norm(layers[-1](h[rows], None, plan.sampled().layers[-1]))
