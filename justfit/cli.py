@@ -173,6 +173,10 @@ def serve(
     idle_release: Optional[float] = typer.Option(None, "--idle-release", min=1, help="Release weights and KV after this many idle seconds; the next request reloads them."),
     max_queue: int = typer.Option(64, "--max-queue", min=1, help="Requests waiting beyond this get 503 with retry-after."),
     max_body: int = typer.Option(8 << 20, "--max-body", min=1024, help="Largest request body in bytes (413 beyond)."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", min=0.1, help="Seconds a client has to send a request's headers (then 408 and closed)."),
+    body_timeout: float = typer.Option(60.0, "--body-timeout", min=0.1, help="Seconds a client has to send a request's body once its headers arrived (then 408 and closed)."),
+    max_connections: int = typer.Option(1000, "--max-connections", min=1, help="Open connections in all (lowered to fit the open-file limit); a new one closes the oldest idle one, or gets 503."),
+    max_client_connections: int = typer.Option(256, "--max-client-connections", min=1, help="Open connections per client address; a new one closes that client's oldest idle one, or gets 503."),
     kv_bits: KVBits = typer.Option(KVBits.four, "--kv-bits", help="KV cache precision: 4, 8 or 16 (full)."),
     kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Bytes, '4GB', or a fraction/percent of RAM."),
@@ -195,7 +199,8 @@ def serve(
     fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
     rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget))
     options = dict(api_key=api_key, cors=cors, persist=persist, idle_release=idle_release, max_queue=max_queue,
-                   max_body=max_body)
+                   max_body=max_body, header_timeout=header_timeout, body_timeout=body_timeout,
+                   max_connections=max_connections, max_client_connections=max_client_connections)
     if rt.sharding.world_size > 1:  # rank 0 serves HTTP, the other ranks follow its turns
         from .distributed.serving import run_front
 

@@ -29,6 +29,7 @@ class Server:
         self.names = {self.model_id, str(rt.model_spec), "default", str(path)}
         self.context = context_length(rt)
         self.n_vocab = vocab_size(rt.model)
+        self.gate = None  # conns.Gate, when serve() runs the app
 
     def check_model(self, name: str, status: int = 400):
         if name not in self.names:
@@ -138,16 +139,24 @@ def check_bind(host: str, api_key: Optional[str]):
                         "the model; pass --api-key KEY (or JUSTFIT_API_KEY), or bind 127.0.0.1")
 
 
-def serve(rt, host: str = "127.0.0.1", port: int = 8000, **options):
+def serve(rt, host: str = "127.0.0.1", port: int = 8000, header_timeout: float = 10.0, body_timeout: float = 60.0,
+          max_connections: int = 1000, max_client_connections: int = 256, **options):
     """Run until SIGINT/SIGTERM: uvicorn stops accepting, finishes open requests (5 s at most), then
-    the lifespan checkpoints every session."""
+    the lifespan checkpoints every session. Connections are held to conns.py's timeouts and caps and
+    repeated warnings to logs.py's rate."""
     import uvicorn
+
+    from . import logs
+    from .conns import Gate, protocol_for
 
     check_bind(host, options.get("api_key"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logs.install()
     app = create_app(rt, **options)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on")
+    gate = Gate(header_timeout, body_timeout, max_connections, max_client_connections)
+    app.state.server.gate = gate
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
+                            http=protocol_for(gate), backlog=gate.backlog, timeout_graceful_shutdown=5, lifespan="on")
     server = uvicorn.Server(config)
     log.info("justfit serve: %s on http://%s:%d/v1 (Ctrl-C stops)", app.state.server.model_id, host, port)
     try:

@@ -34,8 +34,10 @@ async def health(request: Request):
 @router.get("/metrics")
 async def metrics(request: Request):
     srv = _srv(request)
-    return PlainTextResponse(srv.metrics.render(srv.rt, srv.worker.snapshot()),
-                             media_type="text/plain; version=0.0.4")
+    text = srv.metrics.render(srv.rt, srv.worker.snapshot())
+    if srv.gate is not None:  # set when uvicorn serves the app through conns.py
+        text += "\n".join(srv.gate.metric_lines()) + "\n"
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 @router.get("/v1/models", response_model=ModelList)
