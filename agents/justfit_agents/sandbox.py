@@ -15,10 +15,13 @@ import re
 import shlex
 import stat
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
-from . import processes
+import regex
+
+from . import processes, trees
 from .tools import Tool, as_tool
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -44,12 +47,13 @@ class Workspace:
 
     def __init__(self, root, timeout: float = 10.0, max_output: int = 8000, max_file_bytes: int = 200_000,
                  shell_allow: Optional[List[str]] = None, unsafe_no_sandbox: bool = False,
-                 max_write_bytes: int = 1 << 20, limits: Optional[processes.Limits] = None):
+                 max_write_bytes: int = 1 << 20, limits: Optional[processes.Limits] = None,
+                 search_seconds: float = 5.0):
         self.root = Path(root).expanduser().resolve()
         if not self.root.is_dir():
             raise SandboxError(f"workspace {root} is not a folder")
         self.timeout, self.max_output, self.max_file_bytes = timeout, max_output, max_file_bytes
-        self.max_write_bytes = max_write_bytes
+        self.max_write_bytes, self.search_seconds = max_write_bytes, search_seconds
         self.shell_allow = list(shell_allow) if shell_allow else None
         self.unsafe_no_sandbox = unsafe_no_sandbox
         self.limits = limits or processes.Limits()  # memory, processes, file size; timeout/output come from here
@@ -228,25 +232,28 @@ class Workspace:
             pattern: text or regular expression to look for
             path: folder to search, relative to the workspace
         """
-        try:
-            rx = re.compile(pattern, re.I)
-        except re.error:
-            rx = re.compile(re.escape(pattern), re.I)
+        rx = _compile(pattern)
+        deadline = time.monotonic() + self.search_seconds
         dfd, _, at = self._walk(path, final_dir=True)
-        hits = []
+        hits, skipped = [], []
         try:
-            for top, dirs, files, tfd in os.fwalk(".", dir_fd=dfd):  # fd-relative, never follows symlinks
-                dirs.sort()
-                for fname in sorted(files):
-                    rel = os.path.normpath(os.path.join(*at, top, fname))
+            for parts, tfd, files in trees.walk(dfd, skipped=skipped):  # fd-relative, never follows symlinks
+                for fname in files:
+                    rel = "/".join(at + parts + [fname])
                     for n, line in enumerate(self._search_one(tfd, fname), 1):
-                        if rx.search(line):
+                        left = deadline - time.monotonic()
+                        found = _timed_search(rx, line, left) if left > 0 else None
+                        if found is None:
+                            return "\n".join(hits + [f"[search stopped: the pattern took longer than "
+                                                     f"{self.search_seconds:g} s; try a simpler one]"])
+                        if found:
                             hits.append(f"{rel}:{n}: {line.strip()[:200]}")
                             if len(hits) >= 50:
                                 return "\n".join(hits + ["[stopped at 50 matches]"])
         finally:
             os.close(dfd)
-        return "\n".join(hits) or f"no match for {pattern!r}"
+        note = [f"[not searched: {len(skipped)} folder(s) deeper than {trees.MAX_OPEN} levels]"] if skipped else []
+        return "\n".join(hits + note) or f"no match for {pattern!r}"
 
     def _search_one(self, dir_fd: int, name: str) -> List[str]:
         """Lines of one regular, singly-linked file (symlinks, hard links, FIFOs skipped)."""
@@ -318,6 +325,23 @@ class Workspace:
         names = (["read_file", "list_dir", "search_files"] if files else []) + (["write_file"] if write else [])
         names += (["run_python"] if python else []) + (["shell"] if shell and self.shell_allow else [])
         return [as_tool(_readable(getattr(self, n)), n) for n in names]
+
+
+def _compile(pattern: str):
+    """The pattern compiled by `regex` (whose matching can be time-limited), case-insensitive; a pattern
+    that does not compile is searched for as plain text."""
+    try:
+        return regex.compile(pattern, regex.I)
+    except (regex.error, ValueError, OverflowError, RecursionError):
+        return regex.compile(regex.escape(pattern), regex.I)
+
+
+def _timed_search(rx, line: str, seconds: float):
+    """True / False for a match in line, None when matching ran past `seconds` (catastrophic patterns)."""
+    try:
+        return rx.search(line, timeout=seconds) is not None
+    except TimeoutError:
+        return None
 
 
 def _is_link(dir_fd: int, name: str) -> bool:
