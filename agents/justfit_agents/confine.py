@@ -1,6 +1,7 @@
 """The sandbox launcher, run as `python -I -S confine.py CONFIG_JSON -- ARGV...` in a fresh
-single-threaded process: join the pids cgroup, set rlimits, drop capabilities, apply Landlock and
-seccomp (Linux) or wrap in sandbox-exec (macOS), then exec ARGV. Any failed step exits 126 with a
+single-threaded process: join the call's cgroups, set rlimits, enter private mount and PID namespaces
+(mountns.py), drop capabilities, apply Landlock and seccomp (Linux) or wrap in sandbox-exec (macOS),
+then exec ARGV. Any failed step exits 126 with a
 `justfit sandbox:` line: nothing runs half-confined.
 """
 
@@ -23,9 +24,10 @@ def fail(step: str, e) -> None:
     os._exit(FAIL)
 
 
-def join_cgroup(path: str):
-    with open(os.path.join(path, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
+def join_cgroups(paths):
+    for path in paths:
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
 
 
 def set_limits(limits: dict):
@@ -52,11 +54,11 @@ def main(argv):
     cmd = argv[3:] if argv[2] == "--" else fail("arguments", "expected --")
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
-    if cfg.get("cgroup"):
+    if cfg.get("cgroups"):
         try:
-            join_cgroup(cfg["cgroup"])
+            join_cgroups(cfg["cgroups"])
         except OSError as e:
-            fail("joining the pids cgroup", e)
+            fail("joining the call's cgroups", e)
     try:
         set_limits(cfg.get("limits", {}))
     except (OSError, ValueError) as e:
@@ -65,15 +67,28 @@ def main(argv):
         cmd = ["/usr/bin/sandbox-exec", "-p", cfg["profile"], "--"] + cmd
     elif cfg["mode"] == "landlock":
         import landlock
+        import mountns
         import seccomp
 
-        if os.geteuid() == 0:
+        ns = cfg.get("ns")
+        if ns:
+            try:
+                mountns.enter()
+            except OSError as e:
+                fail("entering mount and PID namespaces", e)
+            mountns.fork_init()
+            try:
+                mountns.build(ns["root"], cfg["read"], cfg["write"], ns["tmp"], ns["tmp_bytes"], seccomp.arch())
+                os.chdir(ns["cwd"])
+            except OSError as e:
+                fail("building the private filesystem", e)
+        if os.geteuid() == 0 or ns:
             try:
                 drop_capabilities()
             except OSError as e:
                 fail("dropping capabilities", e)
         try:
-            landlock.restrict(cfg["read"], cfg["write"])
+            landlock.restrict(cfg["read"], cfg["write"], scoped_elsewhere=bool(ns))
         except OSError as e:
             fail("Landlock", e)
         try:

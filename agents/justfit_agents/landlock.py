@@ -23,6 +23,7 @@ FILE_ONLY = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV  # rights th
 NET_BIND_TCP, NET_CONNECT_TCP = 1, 2  # ABI 4
 SCOPE_ABSTRACT_UNIX, SCOPE_SIGNAL = 1, 2  # ABI 6
 
+SCOPED_ABI = 6
 READ = EXECUTE | READ_FILE | READ_DIR
 WRITE = (1 << 16) - 1  # everything, masked to the ABI
 
@@ -55,18 +56,29 @@ def abi() -> int:
     return max(int(v), 0)
 
 
+def unscoped(version: int) -> str:
+    """Why an ABI without scoping is refused, in one line."""
+    return (f"Landlock ABI {version} has no scoping of signals and abstract unix sockets "
+            f"(ABI {SCOPED_ABI}, Linux 6.12+, is needed unless PID and mount namespaces are available)")
+
+
 def fs_mask(version: int) -> int:
     """Every filesystem right the given ABI knows."""
     return FS_BY_ABI[max(k for k in FS_BY_ABI if k <= version)]
 
 
-def restrict(read_paths, write_paths, deny_tcp: bool = True, scope: bool = True) -> int:
+def restrict(read_paths, write_paths, deny_tcp: bool = True, scope: bool = True, scoped_elsewhere: bool = False) -> int:
     """Confine the calling process: read (and execute) under read_paths, everything under write_paths,
-    nothing elsewhere; TCP and signals to processes outside denied where the ABI allows. Returns the
-    ABI used; LandlockError when any step fails (never a partial sandbox that looks whole)."""
+    nothing elsewhere; TCP and signals to processes outside denied where the ABI allows. An ABI without
+    scoping (below 6) is refused unless the caller confirms that another mechanism keeps signals and
+    abstract unix sockets inside (scoped_elsewhere: a PID namespace and a seccomp filter without
+    socket()). Returns the ABI used; LandlockError when any step fails (never a partial sandbox that
+    looks whole)."""
     version = abi()
     if version < 1:
         raise LandlockError("Landlock is not available on this kernel")
+    if scope and version < SCOPED_ABI and not scoped_elsewhere:
+        raise LandlockError(unscoped(version))
     libc = _libc()
     libc.syscall.restype = ctypes.c_long
     mask = fs_mask(version)

@@ -1,22 +1,21 @@
 """Run one tool process inside the OS sandbox: which mechanism this machine has (probed once), the
 paths and limits it gets, the launcher command, and a timeout that kills the whole process group
-(and pids cgroup) while keeping every byte of output the process wrote before it ended.
+(and the call's cgroups) while keeping every byte of output the process wrote before it ended.
 """
 
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import List, Optional
 
-from . import landlock, seatbelt, seccomp
+from . import cgroups, landlock, seatbelt, seccomp
+from .trees import remove_tree
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confine.py")
 SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
@@ -27,13 +26,15 @@ DEVICE_WRITE = ("/dev/null",)
 
 @dataclass
 class Limits:
-    """Per tool call: wall-clock timeout, address space, processes, bytes per file, output kept."""
+    """Per tool call: wall-clock timeout, memory (per process, and in total where a cgroup is offered),
+    processes, bytes per file, bytes in $TMPDIR in total (a size-capped tmpfs), output kept."""
 
     timeout: float = 10.0
     memory_bytes: int = 2 << 30
     processes: int = 64
     file_bytes: int = 256 << 20
     output_chars: int = 8000
+    disk_bytes: int = 256 << 20
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Mechanism:
 
     name: str
     detail: str
-    pids_cgroup: bool = False
+    cgroup: bool = False
     notes: List[str] = field(default_factory=list)
 
 
@@ -62,66 +63,6 @@ def minimal_env(home: str, tmp: str) -> dict:
             "no_proxy": ""}
 
 
-# -- pids cgroup: RLIMIT_NPROC does not bind root, a cgroup does ------------------------------------------
-def _cgroup_parent() -> Optional[str]:
-    """A writable pids-controller folder to create per-call cgroups in (cgroup v1 or v2), or None."""
-    v1 = "/sys/fs/cgroup/pids"
-    if os.path.isfile(os.path.join(v1, "cgroup.procs")) and os.access(v1, os.W_OK):
-        return v1
-    try:
-        with open("/sys/fs/cgroup/cgroup.controllers") as f:
-            if "pids" not in f.read().split():
-                return None
-        with open("/proc/self/cgroup") as f:
-            rel = next(line.split("::", 1)[1].strip() for line in f if line.startswith("0::"))
-    except (OSError, StopIteration):
-        return None
-    here = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
-    return here if os.access(here, os.W_OK) else None
-
-
-def make_cgroup(max_pids: int) -> Optional[str]:
-    """A fresh pids cgroup capped at max_pids, or None when this machine offers none."""
-    parent = _cgroup_parent()
-    if parent is None:
-        return None
-    path = os.path.join(parent, f"justfit-tool-{os.getpid()}-{os.urandom(4).hex()}")
-    try:
-        os.mkdir(path)
-        with open(os.path.join(path, "pids.max"), "w") as f:
-            f.write(str(max_pids))
-        return path
-    except OSError:
-        remove_cgroup(path)
-        return None
-
-
-def cgroup_pids(path: str) -> List[int]:
-    try:
-        with open(os.path.join(path, "cgroup.procs")) as f:
-            return [int(x) for x in f.read().split()]
-    except (OSError, ValueError):
-        return []
-
-
-def remove_cgroup(path: str):
-    """SIGKILL whatever is left in the cgroup, then remove it."""
-    for _ in range(200):
-        pids = cgroup_pids(path)
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.01)
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
-
-
 # -- mechanism ---------------------------------------------------------------------------------------
 @lru_cache(maxsize=1)
 def mechanism() -> Mechanism:
@@ -136,32 +77,38 @@ def mechanism() -> Mechanism:
     probe = Limits(timeout=20.0)
     tmp = tempfile.mkdtemp(prefix="justfit-probe-")
     try:
-        out, rc, _ = run([sys.executable, "-I", "-S", "-c", "print('ok')"], tmp, probe, mode="landlock")
+        out, rc, _ = run([sys.executable, "-I", "-S", "-c", "import os; print('ok', os.getpid())"], tmp, probe,
+                         mode="landlock")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if rc != 0 or out.strip() != "ok":
-        return Mechanism("", f"the Landlock/seccomp launcher failed here: {out.strip()[:200]}")
-    root = os.geteuid() == 0
-    cg = make_cgroup(8)
-    if cg:
-        remove_cgroup(cg)
+        remove_tree(tmp)
+    if rc != 0 or out.strip() != "ok 1":
+        why = out.strip()[:200] or f"exit code {rc}"
+        if abi < landlock.SCOPED_ABI:  # without namespaces nothing else keeps signals inside
+            return Mechanism("", landlock.unscoped(abi) + f"; namespaces failed here: {why}")
+        return Mechanism("", f"the Landlock/seccomp/namespace launcher failed here: {why}")
+    cg = cgroups.make(8, 64 << 20)
+    cgroups.remove(cg)
     notes = []
-    if root and not cg:
-        notes.append("running as root without a writable pids cgroup: the process count is not bounded")
+    if not cg:
+        notes.append("no writable cgroup: memory is capped per process and processes by RLIMIT_NPROC only"
+                     + (" (which does not bind root)" if os.geteuid() == 0 else ""))
     net = "TCP denied by Landlock and seccomp" if abi >= 4 else "sockets denied by seccomp"
-    detail = (f"Landlock ABI {abi} + seccomp ({seccomp.arch()}): files limited to the workspace, {net}, "
-              f"rlimits, process group killed at the timeout" + (", pids cgroup" if cg else ""))
+    detail = (f"Landlock ABI {abi} + seccomp ({seccomp.arch()}) + mount/PID namespaces: only the workspace and "
+              f"read-only system folders exist, {net}, rlimits, size-capped $TMPDIR, process group killed at "
+              f"the timeout" + (", memory and pids cgroup per call" if cg else ""))
     return Mechanism("landlock", detail, bool(cg), notes)
 
 
-def _config(mode: str, workspace: str, tmp: str, limits: Limits, cgroup: Optional[str],
+def _config(mode: str, workspace: str, tmp: str, limits: Limits, cgroup_paths: Optional[List[str]],
             extra_read=()) -> dict:
     read = list(SYSTEM_READ) + python_paths() + list(extra_read)
     write = [workspace, tmp] + list(DEVICE_WRITE)
     nproc = limits.processes + (_processes_of_uid() if os.geteuid() != 0 else 0)
-    cfg = {"mode": mode, "read": read, "write": write, "cgroup": cgroup,
+    cfg = {"mode": mode, "read": read, "write": write, "cgroups": cgroup_paths or [],
            "limits": {"AS": limits.memory_bytes, "NPROC": nproc, "FSIZE": limits.file_bytes,
                       "CPU": int(limits.timeout) + 2, "CORE": 0}}
+    if mode == "landlock":  # the private root is built on tmp itself; $TMPDIR is a tmpfs at the same path
+        cfg["ns"] = {"root": tmp, "tmp": tmp, "tmp_bytes": limits.disk_bytes, "cwd": workspace}
     if mode == "seatbelt":
         cfg["profile"] = seatbelt.profile(read, [workspace, tmp])
     return cfg
@@ -185,7 +132,7 @@ def run(argv: List[str], workspace: str, limits: Limits, mode: str, extra_read=(
     import json
 
     tmp = tempfile.mkdtemp(prefix="justfit-tool-")
-    cgroup = make_cgroup(limits.processes) if mode == "landlock" and os.geteuid() == 0 else None
+    cgroup = cgroups.make(limits.processes, limits.memory_bytes) if mode == "landlock" else None
     cfg = _config(mode, str(workspace), tmp, limits, cgroup, extra_read)
     cmd = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg), "--"] + list(argv)
     try:
@@ -193,15 +140,13 @@ def run(argv: List[str], workspace: str, limits: Limits, mode: str, extra_read=(
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         reader = _Reader(p.stdout, limits.output_chars)
         rc = _wait_then_kill_group(p, limits.timeout)
-        if cgroup:
-            remove_cgroup(cgroup)  # anything left in it dies before we wait for the pipe to close
-            cgroup = None
+        cgroups.remove(cgroup)  # anything left in it dies before we wait for the pipe to close
+        cgroup = None
         reader.join()
         return reader.text(), rc, reader.total
     finally:
-        if cgroup:
-            remove_cgroup(cgroup)
-        shutil.rmtree(tmp, ignore_errors=True)
+        cgroups.remove(cgroup)
+        remove_tree(tmp)
 
 
 def _wait_then_kill_group(p: subprocess.Popen, timeout: float) -> Optional[int]:

@@ -1,5 +1,7 @@
 """A seccomp-BPF filter built with ctypes: no sockets, no ptrace, no mounts or namespaces, no leaving
-the process group, no kernel-module/keyring/bpf/io_uring calls. Denied calls fail with an errno (the
+the process group, no kernel-module/keyring/bpf/io_uring/fanotify calls, and the calls that act on
+another process by pid (rlimits, priority, CPU affinity, scheduling, memory policy) only on the caller
+itself (pid 0): a sandboxed program cannot lower the limits of the agent that launched it. Denied calls fail with an errno (the
 program sees EPERM/EACCES and can say so); a foreign syscall ABI kills the process.
 
 No relative imports: the launcher (confine.py) loads this file as a top-level module.
@@ -26,7 +28,10 @@ ARCHES = {
         keyctl=250, add_key=248, request_key=249, kexec_load=246, kexec_file_load=320, init_module=175,
         finit_module=313, delete_module=176, reboot=169, swapon=167, swapoff=168, acct=163, syslog=103,
         userfaultfd=323, open_by_handle_at=304, pidfd_getfd=438, kcmp=312, iopl=172, ioperm=173,
-        open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442)),
+        open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
+        prlimit64=302, setpriority=141, sched_setparam=142, sched_setscheduler=144, sched_setaffinity=203,
+        sched_setattr=314, ioprio_set=251, migrate_pages=256, move_pages=279, get_robust_list=274,
+        process_madvise=440, process_mrelease=448, fanotify_init=300)),
     "aarch64": (0xC00000B7, dict(
         socket=198, socketpair=199, clone=220, clone3=435, ptrace=117, process_vm_readv=270, process_vm_writev=271,
         mount=40, umount2=39, pivot_root=41, chroot=51, unshare=97, setns=268, setsid=157, setpgid=154,
@@ -34,14 +39,22 @@ ARCHES = {
         keyctl=219, add_key=217, request_key=218, kexec_load=104, kexec_file_load=294, init_module=105,
         finit_module=273, delete_module=106, reboot=142, swapon=224, swapoff=225, acct=89, syslog=116,
         userfaultfd=282, open_by_handle_at=265, pidfd_getfd=438, kcmp=272,
-        open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442)),
+        open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
+        prlimit64=261, setpriority=140, sched_setparam=118, sched_setscheduler=119, sched_setaffinity=122,
+        sched_setattr=274, ioprio_set=30, migrate_pages=238, move_pages=239, get_robust_list=100,
+        process_madvise=440, process_mrelease=448, fanotify_init=262)),
 }
 DENY_EPERM = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot",
               "unshare", "setns", "setsid", "setpgid", "io_uring_setup", "io_uring_enter", "io_uring_register",
               "bpf", "perf_event_open", "keyctl", "add_key", "request_key", "kexec_load", "kexec_file_load",
               "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "syslog",
               "userfaultfd", "open_by_handle_at", "pidfd_getfd", "kcmp", "iopl", "ioperm", "open_tree",
-              "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr")
+              "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "process_madvise",
+              "process_mrelease", "fanotify_init")
+# calls allowed only when their pid argument (by index; the kernel reads an int) is 0, the caller itself
+SELF_ONLY = {"prlimit64": 0, "setpriority": 1, "sched_setparam": 0, "sched_setscheduler": 0,
+             "sched_setaffinity": 0, "sched_setattr": 0, "ioprio_set": 1, "migrate_pages": 0, "move_pages": 0,
+             "get_robust_list": 0}
 
 
 class SeccompError(OSError):
@@ -74,6 +87,9 @@ def program(machine: str = None) -> bytes:
     # socketpair only for AF_UNIX (connected pairs reach nothing outside); clone without namespace flags
     p += [_ins(JEQ_K, nr["socketpair"], 0, 4), _ins(LD_W_ABS, 16), _ins(JEQ_K, AF_UNIX, 0, 1),
           _ins(RET_K, RET_ALLOW), _ins(RET_K, deny(errno.EACCES))]
+    for name, arg in SELF_ONLY.items():  # pid != 0: another process, refused
+        p += [_ins(JEQ_K, nr[name], 0, 4), _ins(LD_W_ABS, 16 + 8 * arg), _ins(JEQ_K, 0, 0, 1),
+              _ins(RET_K, RET_ALLOW), _ins(RET_K, deny(errno.EPERM))]
     p += [_ins(JEQ_K, nr["clone"], 0, 3), _ins(LD_W_ABS, 16), _ins(JSET_K, CLONE_NS, 0, 1),
           _ins(RET_K, deny(errno.EPERM))]
     p += [_ins(RET_K, RET_ALLOW)]

@@ -1,0 +1,106 @@
+"""A private filesystem view for one tool call, built the way bubblewrap builds one: new mount and PID
+namespaces (plus a user namespace when not root), an empty tmpfs root holding only read-only binds of
+the system folders, read-write binds of the workspace and the devices it may write, and a size-capped
+tmpfs for $TMPDIR; then pivot_root into it. Landlock decides what may be opened; this decides what
+exists at all, so stat, inotify and directory listings outside the workspace find nothing. In the new
+PID namespace no process outside the call has a pid the program could name.
+
+No relative imports: the launcher (confine.py) loads this file as a top-level module.
+"""
+
+import ctypes
+import os
+import signal
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+MNT_DETACH, PR_SET_PDEATHSIG = 2, 1
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    return libc
+
+
+def _check(rc: int, what: str):
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def _mount(libc, src, target, fstype, flags, data=None):
+    enc = lambda s: s.encode() if isinstance(s, str) else s  # noqa: E731
+    _check(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def enter():
+    """Unshare the mount and PID namespaces (and a user namespace mapping this uid when not root)."""
+    libc = _libc()
+    uid, gid = os.geteuid(), os.getegid()
+    flags = CLONE_NEWNS | CLONE_NEWPID | (0 if uid == 0 else CLONE_NEWUSER)
+    _check(libc.unshare(flags), "unshare")
+    if uid != 0:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+
+
+def fork_init():
+    """Fork the namespace's first process. The parent waits and exits with the child's status (it never
+    returns); the child, pid 1 inside, returns and dies with the parent."""
+    pid = os.fork()
+    if pid == 0:
+        _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        return
+    _, status = os.waitpid(pid, 0)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def _place(root: str, path: str, is_dir: bool) -> str:
+    """Create the mount point for `path` under root (a folder or an empty file); return it."""
+    target = root + path
+    if is_dir:
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not os.path.exists(target):
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o600))
+    return target
+
+
+def _bind(libc, root: str, path: str, writable: bool):
+    """Bind `path` at the same place under root (read-only unless writable); a symlink is copied as a
+    symlink; a path that does not exist is skipped (not every system has /lib64)."""
+    if os.path.islink(path):
+        target = root + path
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not os.path.lexists(target):
+            os.symlink(os.readlink(path), target)
+        return
+    if not os.path.exists(path):
+        return
+    target = _place(root, path, os.path.isdir(path))
+    _mount(libc, path, target, None, MS_BIND | MS_REC)
+    flags = MS_BIND | MS_REMOUNT | MS_NOSUID | (0 if writable else MS_RDONLY)
+    _mount(libc, None, target, None, flags)
+
+
+def build(root: str, read_paths, write_paths, tmp: str, tmp_bytes: int, machine: str):
+    """Make root the filesystem of this process: only the listed paths exist there, $TMPDIR (tmp) is a
+    fresh tmpfs of tmp_bytes; then pivot_root and forget the old root."""
+    libc = _libc()
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates back out
+    _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
+    for p in sorted(read_paths, key=len):
+        _bind(libc, root, p, writable=False)
+    for p in sorted(set(write_paths) - {tmp}, key=len):
+        _bind(libc, root, p, writable=True)
+    _mount(libc, "tmpfs", _place(root, tmp, True), "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(tmp_bytes)},mode=700")
+    _mount(libc, None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(root)
+    libc.syscall.restype = ctypes.c_long
+    _check(libc.syscall(SYS_PIVOT_ROOT[machine], b".", b"."), "pivot_root")
+    _check(libc.umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")

@@ -1,0 +1,205 @@
+"""The sandbox's second wall: what Landlock alone left open. Processes outside the sandbox cannot be
+reached through rlimits, nothing outside the workspace can be stat-ed or watched, memory, processes and
+temporary disk are totals per tool call, the file tools neither hang nor crash on hostile input, and a
+Landlock ABI without scoping is refused (fail closed)."""
+
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from . import agents_support  # noqa: F401
+from justfit_agents import landlock, processes
+from justfit_agents.sandbox import Workspace
+from justfit_agents.trees import remove_tree
+
+MECH = processes.mechanism()
+needs_landlock = pytest.mark.skipif(MECH.name != "landlock", reason=f"needs the Landlock + seccomp sandbox: {MECH.detail}")
+DEEP = 1200
+
+
+@pytest.fixture
+def deep_cleanup(tmp_path):
+    """pytest's own clean-up of old tmp_path folders recurses (RecursionError on a deep tree): remove
+    every deep tree a test made before it ends."""
+    yield
+    remove_tree(str(tmp_path))
+
+
+def _deep_tree(top: str, depth: int, leaf: str = None):
+    """depth nested folders 'd/d/d...' under top, made fd-relative (the path is longer than PATH_MAX)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+    if leaf:
+        f = os.open("leaf.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(f, leaf.encode())
+        os.close(f)
+    os.close(fd)
+
+
+@needs_landlock
+def test_prlimit_cannot_reach_other_processes(tmp_path):
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        before = resource.prlimit(victim.pid, resource.RLIMIT_NOFILE)
+        ws = Workspace(tmp_path, timeout=10)
+        code = ("import resource, os\n"
+                f"for pid, new in (({victim.pid}, (7, 7)), ({os.getpid()}, None), (os.getppid(), None)):\n"
+                "    if pid == 0:\n"
+                "        print('denied: no parent visible'); continue\n"
+                "    try:\n"
+                "        resource.prlimit(pid, resource.RLIMIT_NOFILE, *([new] if new else []))\n"
+                "        print('reached', pid)\n"
+                "    except OSError as e:\n"
+                "        print('denied', type(e).__name__)\n")
+        out = ws.run_python(code)
+        assert "reached" not in out and out.count("denied") == 3, out
+        assert resource.prlimit(victim.pid, resource.RLIMIT_NOFILE) == before
+        assert victim.poll() is None
+        own = ws.run_python("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)); print('own ok')")
+        assert own.strip() == "own ok"  # a process may still lower its own limits (libc's setrlimit is prlimit(0))
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@needs_landlock
+def test_stat_and_inotify_outside_the_workspace_fail(tmp_path):
+    root = tmp_path / "ws"
+    root.mkdir()
+    (tmp_path / "secret.txt").write_text("x" * 4242)
+    (tmp_path / "outdir").mkdir()
+    ws = Workspace(root, timeout=10)
+    code = ("import os, ctypes\n"
+            f"for p in ('/etc/shadow', '/etc/passwd', {str(tmp_path / 'secret.txt')!r}, {str(tmp_path / 'outdir')!r}):\n"
+            "    try:\n"
+            "        print('seen', p, os.stat(p).st_size)\n"
+            "    except OSError as e:\n"
+            "        print('hidden', type(e).__name__)\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "fd = libc.inotify_init1(0)\n"
+            f"w = libc.inotify_add_watch(fd, {str(tmp_path / 'outdir').encode()!r}, 0x100 | 0x200)\n"
+            "print('watch', 'refused' if w < 0 else 'granted')\n"
+            "print('own', os.stat('.').st_mode > 0)\n"
+            "try:\n"
+            f"    print('around', sorted(os.listdir({str(tmp_path)!r})))\n"
+            "except OSError as e:\n"
+            "    print('around', type(e).__name__)\n")
+    out = ws.run_python(code)
+    assert "seen" not in out and out.count("hidden") == 4, out
+    assert "watch refused" in out and "own True" in out, out
+    assert "around ['ws']" in out or "around PermissionError" in out, out  # nothing else above the workspace
+
+
+@needs_landlock
+def test_memory_is_a_total_per_call(tmp_path):
+    ws = Workspace(tmp_path, timeout=20, limits=processes.Limits(memory_bytes=160 << 20, processes=32))
+    code = ("import os, time\n"
+            "kids = []\n"
+            "for _ in range(6):\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        try:\n"
+            "            b = bytearray(60 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(2); os._exit(0)\n"
+            "        except MemoryError:\n"
+            "            os._exit(3)\n"
+            "    kids.append(pid)\n"
+            "ok = sum(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) == 0 for k in kids)\n"
+            "print('held', ok)\n")
+    out = ws.run_python(code)
+    held = [int(w.split()[1]) for w in out.splitlines() if w.startswith("held ")]
+    assert not held or held[0] <= 2, out  # 6 x 60 MiB at once cannot fit in a 160 MiB total
+
+
+@needs_landlock
+def test_temporary_disk_is_a_total_per_call(tmp_path):
+    cap = 4 << 20
+    ws = Workspace(tmp_path / ".", timeout=20, limits=processes.Limits(file_bytes=cap, disk_bytes=2 * cap))
+    code = ("import os, tempfile\n"
+            "total = 0\n"
+            "for i in range(8):\n"
+            "    p = os.path.join(tempfile.gettempdir(), f'f{i}')\n"
+            "    try:\n"
+            f"        with open(p, 'wb') as f: f.write(b'x' * {cap})\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "    total += os.path.getsize(p) if os.path.exists(p) else 0\n"
+            "print('total', total)\n")
+    out = ws.run_python(code)
+    total = int(out.split("total")[1].split()[0])
+    assert total <= 2 * cap, out
+
+
+def test_regex_search_cannot_hang_the_agent(tmp_path):
+    (tmp_path / "a.txt").write_text("a" * 40 + "!\n")
+    code = ("import sys; sys.path[:0] = sys.argv[2:]\nfrom justfit_agents.sandbox import Workspace\n"
+            "ws = Workspace(sys.argv[1], search_seconds=1.0)\nprint(ws.search_files(r'(a+)+$'))\n"
+            "print(ws.search_files(r'(a|aa)+$'))\n"
+            "print(ws.search_files(r'a{3}!'))\n")
+    try:  # in a child: a hung match holds the GIL, so a thread here could not time it out
+        p = subprocess.run([sys.executable, "-c", code, str(tmp_path)] + sys.path, capture_output=True, text=True,
+                           timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("search_files was still running after 30 s")
+    assert "no match for '(a+)+$'" in p.stdout, p.stdout + p.stderr  # the issue's pattern: answered at once
+    assert "took longer than 1 s" in p.stdout, p.stdout + p.stderr  # one that still backtracks: cut off
+    assert "a.txt:1: " in p.stdout  # ordinary patterns still match
+
+
+def test_search_walks_a_deep_tree(tmp_path, deep_cleanup):
+    (tmp_path / "top.txt").write_text("needle at the top\n")
+    _deep_tree(str(tmp_path), DEEP, leaf="needle deep down\n")
+    out = Workspace(tmp_path).search_files("needle")
+    assert "top.txt:1: needle at the top" in out, out
+    assert "Recursion" not in out and "error" not in out, out
+
+
+def test_remove_tree_handles_any_depth(tmp_path, deep_cleanup):
+    top = tmp_path / "t"
+    top.mkdir()
+    _deep_tree(str(top), DEEP, leaf="x")
+    remove_tree(str(top))
+    assert not top.exists()
+
+
+@needs_landlock
+def test_deep_temp_folder_leaves_nothing_behind(tmp_path, monkeypatch, deep_cleanup):
+    systmp = tmp_path / "systmp"
+    systmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
+    ws = Workspace(tmp_path / ".", timeout=20)
+    out = ws.run_python(f"import os, tempfile\nos.chdir(tempfile.gettempdir())\nfor _ in range({DEEP}):\n"
+                        "    os.mkdir('d'); os.chdir('d')\nprint('deep')")
+    assert "deep" in out
+    assert os.listdir(systmp) == []
+
+
+def test_landlock_without_scoping_is_refused(monkeypatch):
+    monkeypatch.setattr(landlock, "abi", lambda: 5)
+    failed = ("justfit sandbox: entering mount and PID namespaces failed: [Errno 1] Operation not permitted", 126, 0)
+    monkeypatch.setattr(processes, "run", lambda *a, **k: failed)
+    m = processes.mechanism.__wrapped__()
+    assert m.name == "" and "ABI 5 has no scoping" in m.detail and "namespaces failed" in m.detail, m.detail
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import landlock\n"
+            "landlock.abi = lambda: 5\n"
+            "try:\n    landlock.restrict(['/usr'], ['/tmp'])\nexcept OSError as e:\n    print('refused:', e)\n"
+            "else:\n    print('restricted without scoping')\n")
+    p = subprocess.run([sys.executable, "-I", "-c", code, os.path.dirname(landlock.__file__)],
+                       capture_output=True, text=True, timeout=30)
+    assert p.stdout.startswith("refused:") and "no scoping" in p.stdout, p.stdout + p.stderr
+
+
+def test_seccomp_denies_reaching_other_pids_in_the_program():
+    from justfit_agents import seccomp
+
+    for machine in seccomp.ARCHES:
+        nr = seccomp.ARCHES[machine][1]
+        assert {"prlimit64", "setpriority", "sched_setaffinity"} <= set(nr), machine
+
