@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from justfit.bench import batch as B
 from justfit.config import KVConfig
-from justfit.generation import prefill
+from justfit.engine.solo import prefill
 from justfit.kvexec import cpu, make_cache
 
 mode, shape, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
