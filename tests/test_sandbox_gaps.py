@@ -71,6 +71,19 @@ def test_prlimit_cannot_reach_other_processes(tmp_path):
 
 
 @needs_landlock
+def test_the_launching_agent_survives_prlimit_on_its_parent(tmp_path):
+    """The red-team line itself, run by a separate agent process (on the old code it killed that agent)."""
+    agent = ("import sys; sys.path[:0] = sys.argv[2:]\nfrom justfit_agents.sandbox import Workspace\n"
+             "out = Workspace(sys.argv[1], timeout=10).run_python("
+             "'import resource, os; resource.prlimit(os.getppid(), resource.RLIMIT_CPU, (1, 1)); print(\"set\")')\n"
+             "import time, resource; t = time.process_time()\nwhile time.process_time() - t < 1.5: pass\n"
+             "print('agent alive', resource.getrlimit(resource.RLIMIT_CPU))\n")
+    p = subprocess.run([sys.executable, "-c", agent, str(tmp_path)] + sys.path, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "agent alive (-1, -1)" in p.stdout, (p.returncode, p.stdout, p.stderr)
+
+
+@needs_landlock
 def test_stat_and_inotify_outside_the_workspace_fail(tmp_path):
     root = tmp_path / "ws"
     root.mkdir()
@@ -179,6 +192,41 @@ def test_deep_temp_folder_leaves_nothing_behind(tmp_path, monkeypatch, deep_clea
                         "    os.mkdir('d'); os.chdir('d')\nprint('deep')")
     assert "deep" in out
     assert os.listdir(systmp) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv") or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root (to switch to uid 65534 with setpriv) and a system /usr/bin/python3")
+def test_non_root_user_gets_the_same_walls():
+    """As an ordinary user the launcher makes its namespaces inside a user namespace (no root needed)."""
+    top = tempfile.mkdtemp(prefix="justfit-nonroot-", dir="/tmp")
+    try:
+        ws, tmp = os.path.join(top, "ws"), os.path.join(top, "tmp")
+        os.mkdir(ws)
+        os.mkdir(tmp)
+        for p in (top, ws, tmp):
+            os.chown(p, 65534, 65534)
+        with open(os.path.join(top, "secret.txt"), "w") as f:
+            f.write("x")
+        os.chmod(top, 0o755)
+        cfg = processes._config("landlock", ws, tmp, processes.Limits(), None)
+        cfg["read"] = [p for p in cfg["read"] if not p.startswith("/root")]  # this venv's Python is not needed
+        code = ("import os, resource\nprint('pid', os.getpid())\n"
+                f"for p in ('/etc/shadow', {os.path.join(top, 'secret.txt')!r}):\n"
+                "    try:\n        os.stat(p); print('seen', p)\n    except OSError:\n        print('hidden')\n"
+                "open('x.txt', 'w').write('hi')\n"
+                "try:\n    resource.prlimit(1, resource.RLIMIT_NOFILE); print('reached')\n"
+                "except OSError:\n    print('denied')\n")
+        import json
+
+        p = subprocess.run(["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                            "-I", "-S", processes.LAUNCHER, json.dumps(cfg), "--", "/usr/bin/python3", "-I", "-c", code],
+                           capture_output=True, text=True, timeout=60, cwd=ws)
+        if "justfit sandbox: entering mount and PID namespaces failed" in p.stderr:
+            pytest.skip(f"user namespaces are not available to uid 65534 here: {p.stderr.strip()}")
+        assert p.returncode == 0 and p.stdout.split() == ["pid", "1", "hidden", "hidden", "denied"], p.stdout + p.stderr
+        assert open(os.path.join(ws, "x.txt")).read() == "hi"
+    finally:
+        remove_tree(top)
 
 
 def test_landlock_without_scoping_is_refused(monkeypatch):
