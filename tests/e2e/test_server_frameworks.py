@@ -5,7 +5,7 @@ valid); what is tested is the wire protocol each framework speaks."""
 
 import pytest
 
-from .server_support import Served
+from tests.server_support import Served
 
 
 @pytest.fixture(scope="module")

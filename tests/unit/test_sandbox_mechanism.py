@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from . import agents_support  # noqa: F401
+from tests import agents_support  # noqa: F401
 from justfit_agents import processes, seatbelt, seccomp
 from justfit_agents.sandbox import SandboxError, Workspace, describe
 

@@ -12,7 +12,7 @@ from justfit.bench.baseline import mlx_lm_layout
 from justfit.models import layout, vocab_size
 from justfit.phaseswap.components import WeightSource
 
-from .kvexec_families import SPECIAL, build, families, greedy
+from tests.kvexec_families import SPECIAL, build, families, greedy
 
 IDS = mx.array([[3, 17, 99, 5, 42, 7]])
 

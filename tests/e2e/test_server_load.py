@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .server_support import Served
+from tests.server_support import Served
 
 openai = pytest.importorskip("openai")
 SYSTEM = "You are a careful travel agent. " + " ".join(

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from .server_support import Served
+from tests.server_support import Served
 
 openai = pytest.importorskip("openai")
 

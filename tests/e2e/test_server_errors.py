@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from .server_support import ROOT, Served, openapi_validator
+from tests.server_support import ROOT, Served, openapi_validator
 
 KEY = "sk-test-123"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -20,7 +20,7 @@ from justfit.models import check_token_ids
 from justfit.statetrans import lock
 from justfit.statetrans.manifest import Manifest, ManifestError, check_name, read_manifest, write_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KV = {"name": "q4-affine", "bits": 4, "format": "affine", "group_size": 64, "page_size": 4,
       "quantized_kv_start": 0, "page_format_version": 1}
 

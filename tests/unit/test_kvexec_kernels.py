@@ -8,7 +8,7 @@ from justfit.errors import UserError
 from justfit.kvexec import attention, kernels
 from metal_kernels.emulator import available as emulator_available
 
-from .kernels_support import kernel_logits, tiny_llama
+from tests.kernels_support import kernel_logits, tiny_llama
 
 NO_EMULATOR = "g++ not found: the Metal emulator compiles kernels with g++"
 CONFIGS = [

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from . import agents_support  # noqa: F401
+from tests import agents_support  # noqa: F401
 from justfit_agents import processes
 from justfit_agents.sandbox import Workspace
 

@@ -1,7 +1,7 @@
 """On the real default model (SmolLM2, no native tool syntax): constrained calls always parse and
 validate across seeds with tool_choice="required", and later seeds reuse the shared prompt."""
 
-from . import agents_support  # noqa: F401
+from tests import agents_support  # noqa: F401
 from justfit_agents import Agent
 from justfit.grammar import validate
 
@@ -51,7 +51,7 @@ def test_statetrans_session_resumes_after_restart(default_model_dir, tmp_path):
     import subprocess
     import sys
 
-    from .agents_support import AGENTS
+    from tests.agents_support import AGENTS
 
     script = tmp_path / "run.py"
     script.write_text(SESSION_RUN.format(agents=str(AGENTS), model=str(default_model_dir), home=str(tmp_path)))

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from . import agents_support  # noqa: F401
+from tests import agents_support  # noqa: F401
 from justfit_agents.sandbox import SandboxError, Workspace
 
 

@@ -10,7 +10,7 @@ from justfit.config import KVConfig
 from justfit.errors import UserError
 from justfit.engine import Engine
 
-from .scheduler_support import greedy_alone
+from tests.scheduler_support import greedy_alone
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from . import agents_support  # noqa: F401  (puts agents/ on the path)
+from tests import agents_support  # noqa: F401  (puts agents/ on the path)
 from justfit_agents import Agent
 
 LONG = ("Notes from the harbour office. The ferry leaves at nine, the cargo boat at eleven, and the "

@@ -5,7 +5,7 @@ from typing import List, Literal, Optional
 
 import pytest
 
-from . import agents_support  # noqa: F401  (puts agents/ on sys.path)
+from tests import agents_support  # noqa: F401  (puts agents/ on sys.path)
 from justfit.grammar import call_schema, choice_name, closed, lark_grammar, validate
 from justfit.toolcalls import SYNTAXES, detect
 from justfit_agents.tools import as_tool, truncate

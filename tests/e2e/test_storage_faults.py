@@ -119,7 +119,7 @@ def test_fuzzed_files_many(saved, request, capfd):
 
 
 # -- kill -9 during checkpoints ----------------------------------------------------------------------
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WRITER = ROOT / "tests" / "statetrans_crash_writer.py"
 
 

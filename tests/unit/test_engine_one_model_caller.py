@@ -9,7 +9,7 @@ tokens that runner.py's verify pass accepts or rejects."""
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "justfit"
+PACKAGE = Path(__file__).resolve().parents[2] / "justfit"
 RUNNER = PACKAGE / "engine" / "runner.py"
 EXEMPT = {PACKAGE / "bench", PACKAGE / "probe", PACKAGE / "phaseswap" / "drafting.py"}
 # A model (or its body) called on ids or hidden states: model(...), self.model(...), (body or model)(...),

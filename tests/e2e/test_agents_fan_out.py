@@ -3,7 +3,7 @@ spawning them one after another, their turns share engine steps, and every page 
 
 import pytest
 
-from .agents_support import TinyRuntime
+from tests.agents_support import TinyRuntime
 from justfit_agents import Agent
 
 

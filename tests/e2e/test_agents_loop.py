@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .agents_support import AGENTS, TinyRuntime
+from tests.agents_support import AGENTS, TinyRuntime
 from justfit_agents import Agent
 from justfit.grammar import validate
 
@@ -122,7 +122,7 @@ RESUME = textwrap.dedent("""
 
 def test_resume_after_restart_in_a_subprocess(default_model_dir, tmp_path):
     script = tmp_path / "resume.py"
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = str(Path(__file__).parents[1])
     script.write_text(RESUME.format(agents=str(AGENTS), tests=tests_dir, model=str(default_model_dir), home=str(tmp_path)))
     run = lambda *a: json.loads(subprocess.run([sys.executable, str(script), *a], capture_output=True, text=True,  # noqa: E731
                                                check=True).stdout.strip().splitlines()[-1])

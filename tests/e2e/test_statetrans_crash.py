@@ -17,7 +17,7 @@ from statetrans_crash_writer import P, PAGES_PER_TURN, store_of, tokens
 from justfit.statetrans.hashing import block_hashes
 from justfit.statetrans.manifest import read_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env(home):

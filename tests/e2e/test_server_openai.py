@@ -8,7 +8,7 @@ import httpx
 import jsonschema
 import pytest
 
-from .server_support import Served, openapi_validator
+from tests.server_support import Served, openapi_validator
 
 openai = pytest.importorskip("openai")
 

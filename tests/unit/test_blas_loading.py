@@ -10,7 +10,7 @@ import pytest
 
 from justfit.blas import openblas_path, reference_blas_bundled
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 needs_openblas = pytest.mark.skipif(not reference_blas_bundled() or openblas_path() is None,
                                     reason="needs MLX's Linux CPU wheel and Debian's OpenBLAS (libopenblas0-pthread)")
 

@@ -7,7 +7,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from .agents_support import AGENTS
+from tests.agents_support import AGENTS
 from justfit.errors import UserError
 
 

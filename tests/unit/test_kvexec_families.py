@@ -8,7 +8,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from justfit.config import KVConfig
 from justfit.kvexec import PagedKVCache, make_cache
 
-from .kvexec_families import SPECIAL, build, families, greedy
+from tests.kvexec_families import SPECIAL, build, families, greedy
 DIFFERS = {  # families where mlx-lm's own cache and its mask disagree; KVExec follows the mask
     "plamo3": "mlx-lm masks window_size + 1 keys but its RotatingKVCache keeps window_size, so mlx-lm's "
               "window depends on prefill chunking; KVExec applies the mask's window",

@@ -16,7 +16,7 @@ from metal_kernels import emulator
 from metal_kernels import reference as ref
 from metal_kernels.testing import NO_GXX, case
 
-from .kernels_support import kernel_logits, tiny_llama
+from tests.kernels_support import kernel_logits, tiny_llama
 
 needs_emulator = pytest.mark.skipif(not emulator.available(), reason=NO_GXX)
 PAGE = 64  # two key groups of 32 tokens per page

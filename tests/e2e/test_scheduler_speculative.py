@@ -9,7 +9,7 @@ from justfit.config import KVConfig
 from justfit.phaseswap.drafting import PromptLookup
 from justfit.engine import Engine
 
-from .scheduler_support import greedy_alone
+from tests.scheduler_support import greedy_alone
 
 COPY = ("Copy this list exactly, one item per line: red apple, green pear, blue plum, yellow lemon, "
         "purple grape, orange peach, red apple, green pear, blue plum, yellow lemon, purple grape.")
