@@ -244,6 +244,17 @@ def test_landlock_without_scoping_is_refused(monkeypatch):
     assert p.stdout.startswith("refused:") and "no scoping" in p.stdout, p.stdout + p.stderr
 
 
+@needs_landlock
+def test_syscalls_newer_than_the_filter_are_refused(tmp_path):
+    """Deny by default past the reviewed table: 467-469 (open_tree_attr, file_getattr, file_setattr) exist in
+    Linux 6.15-6.17 and answer EFAULT/EINVAL outside; inside they must not reach the kernel (ENOSYS)."""
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "for nr in (467, 468, 469, 1000):\n"
+            "    libc.syscall(nr, 0, 0, 0, 0, 0); print(nr, ctypes.get_errno())\n")
+    out = Workspace(tmp_path, timeout=10).run_python(code)
+    assert out.split() == ["467", "38", "468", "38", "469", "38", "1000", "38"], out
+
+
 def test_seccomp_denies_reaching_other_pids_in_the_program():
     from justfit_agents import seccomp
 

@@ -1,7 +1,9 @@
 """A seccomp-BPF filter built with ctypes: no sockets, no ptrace, no mounts or namespaces, no leaving
 the process group, no kernel-module/keyring/bpf/io_uring/fanotify calls, and the calls that act on
 another process by pid (rlimits, priority, CPU affinity, scheduling, memory policy) only on the caller
-itself (pid 0): a sandboxed program cannot lower the limits of the agent that launched it. Denied calls fail with an errno (the
+itself (pid 0): a sandboxed program cannot lower the limits of the agent that launched it. Syscalls
+numbered past the reviewed table (KNOWN_BELOW: calls added after Linux 6.14's removexattrat) are
+refused with ENOSYS, so a newer kernel's new calls stay closed until reviewed; libc falls back on ENOSYS. Denied calls fail with an errno (the
 program sees EPERM/EACCES and can say so); a foreign syscall ABI kills the process.
 
 No relative imports: the launcher (confine.py) loads this file as a top-level module.
@@ -16,6 +18,7 @@ PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 RET_KILL_PROCESS, RET_ALLOW, RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
 LD_W_ABS, JEQ_K, JGE_K, JSET_K, RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
 AF_UNIX = 1
+KNOWN_BELOW = 467  # x86_64 and aarch64 share numbers from 424 on; 467+ (open_tree_attr, file_getattr, ...) unreviewed
 CLONE_NS = 0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x02000000
 #          NEWNS        NEWUTS       NEWIPC       NEWUSER      NEWPID       NEWNET       NEWCGROUP
 
@@ -79,6 +82,7 @@ def program(machine: str = None) -> bytes:
     p = [_ins(LD_W_ABS, 4), _ins(JEQ_K, audit, 1, 0), _ins(RET_K, RET_KILL_PROCESS), _ins(LD_W_ABS, 0)]
     if audit == ARCHES["x86_64"][0]:  # x32 syscalls share the arch value: refuse them all
         p += [_ins(JGE_K, 0x40000000, 0, 1), _ins(RET_K, deny(errno.EPERM))]
+    p += [_ins(JGE_K, KNOWN_BELOW, 0, 1), _ins(RET_K, deny(errno.ENOSYS))]  # deny by default past the table
     for name in DENY_EPERM:
         if name in nr:
             p += [_ins(JEQ_K, nr[name], 0, 1), _ins(RET_K, deny(errno.EPERM))]
