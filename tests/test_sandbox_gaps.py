@@ -112,6 +112,23 @@ def test_stat_and_inotify_outside_the_workspace_fail(tmp_path):
 
 
 @needs_landlock
+def test_private_dev_shm_for_multiprocessing(tmp_path):
+    """multiprocessing needs POSIX semaphores in /dev/shm: the call gets its own, never the host's."""
+    host = None
+    if os.path.isdir("/dev/shm"):
+        host = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="justfit-host-")
+    try:
+        code = ("import multiprocessing as mp, os\nif __name__ == '__main__':\n"
+                "    with mp.Pool(2) as p: print(p.map(abs, [-1, -2]))\n"
+                "    print('shm', sorted(n for n in os.listdir('/dev/shm') if n.startswith('justfit-host-')))\n")
+        out = Workspace(tmp_path, timeout=30).run_python(code)
+        assert "[1, 2]" in out and "shm []" in out, out
+    finally:
+        if host:
+            host.close()
+
+
+@needs_landlock
 def test_memory_is_a_total_per_call(tmp_path):
     ws = Workspace(tmp_path, timeout=20, limits=processes.Limits(memory_bytes=160 << 20, processes=32))
     code = ("import os, time\n"

@@ -1,7 +1,8 @@
 """A private filesystem view for one tool call, built the way bubblewrap builds one: new mount and PID
 namespaces (plus a user namespace when not root), an empty tmpfs root holding only read-only binds of
-the system folders, read-write binds of the workspace and the devices it may write, and a size-capped
-tmpfs for $TMPDIR; then pivot_root into it. Landlock decides what may be opened; this decides what
+the system folders, read-write binds of the workspace and the devices it may write, and size-capped
+private tmpfs folders for $TMPDIR and /dev/shm (POSIX semaphores: multiprocessing); then pivot_root
+into it. Landlock decides what may be opened; this decides what
 exists at all, so stat, inotify and directory listings outside the workspace find nothing. In the new
 PID namespace no process outside the call has a pid the program could name.
 
@@ -16,6 +17,7 @@ CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 MNT_DETACH, PR_SET_PDEATHSIG = 2, 1
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+SHM = "/dev/shm"
 
 
 def _libc():
@@ -87,17 +89,19 @@ def _bind(libc, root: str, path: str, writable: bool):
     _mount(libc, None, target, None, flags)
 
 
-def build(root: str, read_paths, write_paths, tmp: str, tmp_bytes: int, machine: str):
-    """Make root the filesystem of this process: only the listed paths exist there, $TMPDIR (tmp) is a
-    fresh tmpfs of tmp_bytes; then pivot_root and forget the old root."""
+def build(root: str, read_paths, write_paths, tmp: str, tmp_bytes: int, machine: str, shm: str = SHM):
+    """Make root the filesystem of this process: only the listed paths exist there, $TMPDIR (tmp) and
+    shm are fresh tmpfs folders of tmp_bytes each (never the host's); then pivot_root and forget the
+    old root."""
     libc = _libc()
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates back out
     _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
     for p in sorted(read_paths, key=len):
         _bind(libc, root, p, writable=False)
-    for p in sorted(set(write_paths) - {tmp}, key=len):
+    for p in sorted(set(write_paths) - {tmp, shm}, key=len):
         _bind(libc, root, p, writable=True)
-    _mount(libc, "tmpfs", _place(root, tmp, True), "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(tmp_bytes)},mode=700")
+    for p, mode in ((tmp, "700"), (shm, "1777")):
+        _mount(libc, "tmpfs", _place(root, p, True), "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(tmp_bytes)},mode={mode}")
     _mount(libc, None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(root)
     libc.syscall.restype = ctypes.c_long

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import List, Optional
 
-from . import cgroups, landlock, seatbelt, seccomp
+from . import cgroups, landlock, mountns, seatbelt, seccomp
 from .trees import remove_tree
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confine.py")
@@ -109,6 +109,7 @@ def _config(mode: str, workspace: str, tmp: str, limits: Limits, cgroup_paths: O
                       "CPU": int(limits.timeout) + 2, "CORE": 0}}
     if mode == "landlock":  # the private root is built on tmp itself; $TMPDIR is a tmpfs at the same path
         cfg["ns"] = {"root": tmp, "tmp": tmp, "tmp_bytes": limits.disk_bytes, "cwd": workspace}
+        write.append(mountns.SHM)  # a private tmpfs there, never the host's
     if mode == "seatbelt":
         cfg["profile"] = seatbelt.profile(read, [workspace, tmp])
     return cfg
