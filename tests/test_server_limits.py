@@ -31,8 +31,8 @@ def nested_schema(levels: int) -> dict:
     return s
 
 
-def tool(parameters=None, description="") -> dict:
-    return {"type": "function", "function": {"name": "f", "description": description,
+def tool(parameters=None, description="", name="f") -> dict:
+    return {"type": "function", "function": {"name": name, "description": description,
                                              **({"parameters": parameters} if parameters is not None else {})}}
 
 
@@ -70,7 +70,7 @@ CASES = [  # (what, path, body as JSON text)
     ("max_tokens = 10**40", "/v1/chat/completions", chat(max_tokens=10 ** 40)),
     ("seed = 10**40", "/v1/chat/completions", chat(seed=10 ** 40)),
     ("10,000 stop strings", "/v1/chat/completions", chat(stop=["a"] * 10_000)),
-    ("129 tools", "/v1/chat/completions", chat(tools=[tool() for _ in range(129)])),
+    ("129 tools", "/v1/chat/completions", chat(tools=[tool(name=f"f{i}") for i in range(129)])),
     ("a token id of 40 digits", "/v1/completions", {"model": "default", "prompt": [10 ** 40]}),
 ]
 RAW = [  # (what, body text): not expressible with json.dumps
