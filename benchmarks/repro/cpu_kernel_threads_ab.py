@@ -24,7 +24,6 @@ import mlx.core as mx
 
 from justfit.bench import batch as B
 from justfit.config import KVConfig
-from justfit.engine.solo import prefill
 from justfit.kvexec import cpu, make_cache
 
 mode, shape, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -58,13 +57,22 @@ if mode == "micro":
         print(f"micro {spec}: " + ", ".join(f"{a} {statistics.median(x) * 1e3:.2f} ms a layer ({min(x) * 1e3:.2f}-"
                                             f"{max(x) * 1e3:.2f})" for a, x in res.items()), flush=True)
     sys.exit(0)
+
+
+def fill(model, cache, ids, chunk=2048):
+    """Prefill ids into the caches in chunks through the decoder stack (no LM head), as a prompt would."""
+    for start in range(0, len(ids), chunk):
+        model.model(mx.array([ids[start:start + chunk]]), cache=cache)
+        mx.eval([x for c in cache for x in c.state])
+
+
 model, tok = B._load("default", 0)
 kv, rng, vocab = KVConfig(), random.Random(3), int(model.args.vocab_size)
 res = {a: [] for a in arms}
 if mode == "single":
     n = int(shape)
     cache = make_cache(model, kv)
-    prefill(model, cache, [rng.randrange(1000, vocab) for _ in range(n)])
+    fill(model, cache, [rng.randrange(1000, vocab) for _ in range(n)])
     y = mx.array([[rng.randrange(1000, vocab)]])
     for i in range(rounds):
         for a in list(arms)[i % 2:] + list(arms)[:i % 2]:
