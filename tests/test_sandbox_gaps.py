@@ -178,7 +178,7 @@ def test_regex_search_cannot_hang_the_agent(tmp_path):
                            timeout=30)
     except subprocess.TimeoutExpired:
         pytest.fail("search_files was still running after 30 s")
-    assert "no match for '(a+)+$'" in p.stdout, p.stdout + p.stderr  # the pattern: answered at once
+    assert "no match for '(a+)+$'" in p.stdout, p.stdout + p.stderr  # a catastrophic-backtracking pattern: answered at once
     assert "took longer than 1 s" in p.stdout, p.stdout + p.stderr  # one that still backtracks: cut off
     assert "a.txt:1: " in p.stdout  # ordinary patterns still match
 
