@@ -12,6 +12,7 @@ from typing import Optional
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 from .limits import MAX_DEPTH, MAX_INT_DIGITS, LimitError
@@ -85,6 +86,8 @@ async def on_api_error(_request: Request, exc: APIError) -> JSONResponse:
 async def on_http(_request: Request, exc: HTTPException) -> JSONResponse:
     if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
         why = exc.__cause__
+        if isinstance(why, ClientDisconnect):  # conns.py closed it: the body did not come in time
+            return JSONResponse(envelope(408, "the request body was not received in time", code="request_timeout"), 408)
         if isinstance(why, RecursionError):
             why = f"nested deeper than Python's JSON parser allows (the limit is {MAX_DEPTH} levels)"
         elif isinstance(why, ValueError) and "digits" in str(why):
