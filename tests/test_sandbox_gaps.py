@@ -167,6 +167,70 @@ def test_temporary_disk_is_a_total_per_call(tmp_path):
     assert total <= 2 * cap, out
 
 
+@needs_landlock
+def test_workspace_writes_are_a_total_per_call(tmp_path):
+    cap = 4 << 20
+    ws = Workspace(tmp_path, timeout=20, limits=processes.Limits(file_bytes=cap, workspace_bytes=2 * cap))
+    code = ("for i in range(8):\n"
+            "    try:\n"
+            f"        with open(f'f{{i}}', 'wb') as f: f.write(b'x' * {cap})\n"
+            "    except OSError as e:\n"
+            "        print('refused', e.errno)\n")
+    out = ws.run_python(code)
+    total = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert total <= 2 * cap, (total, out)
+    assert "refused 28" in out, out  # ENOSPC: the program is told, not killed
+
+
+@needs_landlock
+def test_workspace_changes_come_back(tmp_path):
+    """Inside, the workspace is an overlay; after the call every kind of change is in the real folder."""
+    for name, text in (("keep.txt", "old"), ("gone.txt", "x"), ("moved.txt", "m"), ("d/inner.txt", "i")):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "e").mkdir()
+    code = ("import os, shutil\n"
+            "open('keep.txt', 'a').write('+new')\nos.unlink('gone.txt')\nos.rename('moved.txt', 'moved2.txt')\n"
+            "shutil.rmtree('d')\nos.rmdir('e'); open('e', 'w').write('now a file')\n"
+            "os.makedirs('n/m'); open('n/m/x.txt', 'w').write('deep')\nos.symlink('keep.txt', 'link')\n"
+            "open('run.sh', 'w').write('#!/bin/sh'); os.chmod('run.sh', 0o755)\n"
+            "os.makedirs('d'); open('d/fresh.txt', 'w').write('f')\nprint('done')\n")
+    out = Workspace(tmp_path, timeout=20).run_python(code)
+    assert out.strip() == "done", out
+    assert (tmp_path / "keep.txt").read_text() == "old+new"
+    assert not (tmp_path / "gone.txt").exists() and not (tmp_path / "moved.txt").exists()
+    assert (tmp_path / "moved2.txt").read_text() == "m"
+    assert sorted(os.listdir(tmp_path / "d")) == ["fresh.txt"]  # the old folder's content is gone
+    assert (tmp_path / "e").read_text() == "now a file"
+    assert (tmp_path / "n/m/x.txt").read_text() == "deep"
+    assert os.readlink(tmp_path / "link") == "keep.txt"
+    assert os.stat(tmp_path / "run.sh").st_mode & 0o777 == 0o755
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".copyback")]
+
+
+@needs_landlock
+def test_writes_before_a_timeout_are_kept(tmp_path):
+    out = Workspace(tmp_path, timeout=2).run_python("open('part.txt', 'w').write('before')\nimport time; time.sleep(30)")
+    assert "timed out after 2 s" in out, out
+    assert (tmp_path / "part.txt").read_text() == "before"
+
+
+@needs_landlock
+def test_copy_back_never_follows_a_planted_symlink(tmp_path):
+    root, outside = tmp_path / "ws", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    ws = Workspace(root, timeout=20)
+    ws.run_python(f"import os; os.symlink({str(outside)!r}, 'esc'); os.symlink({str(outside / 'f.txt')!r}, 'f.txt')")
+    assert os.path.islink(root / "esc")  # call 1 left a symlink to an outside folder and file
+    out = ws.run_python("import os\nfor n in ('esc', 'f.txt'):\n    os.unlink(n)\n"
+                        "os.mkdir('esc'); open('esc/pwn', 'w').write('x'); open('f.txt', 'w').write('x'); print('ok')")
+    assert "ok" in out, out
+    assert os.listdir(outside) == []
+    assert (root / "esc").is_dir() and not (root / "esc").is_symlink() and (root / "esc/pwn").read_text() == "x"
+    assert not (root / "f.txt").is_symlink()
+
+
 def test_regex_search_cannot_hang_the_agent(tmp_path):
     (tmp_path / "a.txt").write_text("a" * 40 + "!\n")
     code = ("import sys; sys.path[:0] = sys.argv[2:]\nfrom justfit_agents.sandbox import Workspace\n"
@@ -224,13 +288,16 @@ def test_non_root_user_gets_the_same_walls():
             os.chown(p, 65534, 65534)
         with open(os.path.join(top, "secret.txt"), "w") as f:
             f.write("x")
+        with open(os.path.join(ws, "old.txt"), "w") as f:
+            f.write("x")
+        os.chown(os.path.join(ws, "old.txt"), 65534, 65534)
         os.chmod(top, 0o755)
         cfg = processes._config("landlock", ws, tmp, processes.Limits(), None)
         cfg["read"] = [p for p in cfg["read"] if not p.startswith("/root")]  # this venv's Python is not needed
         code = ("import os, resource\nprint('pid', os.getpid())\n"
                 f"for p in ('/etc/shadow', {os.path.join(top, 'secret.txt')!r}):\n"
                 "    try:\n        os.stat(p); print('seen', p)\n    except OSError:\n        print('hidden')\n"
-                "open('x.txt', 'w').write('hi')\n"
+                "open('x.txt', 'w').write('hi')\nos.unlink('old.txt')\n"
                 "try:\n    resource.prlimit(1, resource.RLIMIT_NOFILE); print('reached')\n"
                 "except OSError:\n    print('denied')\n")
         import json
@@ -241,7 +308,7 @@ def test_non_root_user_gets_the_same_walls():
         if "justfit sandbox: entering mount and PID namespaces failed" in p.stderr:
             pytest.skip(f"user namespaces are not available to uid 65534 here: {p.stderr.strip()}")
         assert p.returncode == 0 and p.stdout.split() == ["pid", "1", "hidden", "hidden", "denied"], p.stdout + p.stderr
-        assert open(os.path.join(ws, "x.txt")).read() == "hi"
+        assert open(os.path.join(ws, "x.txt")).read() == "hi" and os.listdir(ws) == ["x.txt"]  # copied back
     finally:
         remove_tree(top)
 

@@ -49,6 +49,44 @@ def drop_capabilities():
         raise OSError(ctypes.get_errno(), "capset")
 
 
+def enter_namespaces(cfg: dict, ns: dict):
+    """Enter the call's namespaces and fork its first process, which returns; the launcher stays on the
+    host's filesystem, waits (killing the call at its timeout), copies the workspace changes back from
+    the overlay's upper layer and exits with the call's exit code."""
+    import copyback
+    import mountns
+    import seccomp
+
+    tmp, ws = ns["tmp"], ns["cwd"]
+    try:
+        mountns.enter()
+        host_tmp = mountns.stage(tmp, ns["ws_bytes"])
+        options = copyback.mount_options(ws, os.path.join(tmp, "upper"), os.path.join(tmp, "work"), os.geteuid() != 0)
+    except OSError as e:
+        fail("entering mount and PID namespaces", e)
+    pid = mountns.fork_child()
+    if pid == 0:
+        try:
+            mountns.private_mounts()
+            mountns.build(os.path.join(tmp, "root"), cfg["read"], cfg["write"], tmp, ns["tmp_bytes"], seccomp.arch(),
+                          overlay=(ws, options))
+            os.chdir(ws)
+        except OSError as e:
+            fail("building the private filesystem", e)
+        return
+    code, timed_out = mountns.supervise(pid, cfg["timeout"])
+    if timed_out:
+        os.close(os.open("timed-out", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=host_tmp))
+    try:
+        problems = copyback.apply(os.path.join(tmp, "upper"), ws)
+    except OSError as e:
+        problems = [str(e)]
+    if problems:
+        sys.stdout.write("\n[workspace: not every change was copied back: " + "; ".join(problems) + "]\n")
+        sys.stdout.flush()
+    os._exit(code)
+
+
 def main(argv):
     cfg = json.loads(argv[1])
     cmd = argv[3:] if argv[2] == "--" else fail("arguments", "expected --")
@@ -59,6 +97,14 @@ def main(argv):
             join_cgroups(cfg["cgroups"])
         except OSError as e:
             fail("joining the call's cgroups", e)
+    if cfg["mode"] == "landlock":  # imported now: after pivot_root this folder is out of sight
+        import copyback  # noqa: F401
+        import landlock
+        import mountns  # noqa: F401
+        import seccomp
+    ns = cfg.get("ns") if cfg["mode"] == "landlock" else None
+    if ns:
+        enter_namespaces(cfg, ns)  # returns in the child only, pid 1 of the call's namespace
     try:
         set_limits(cfg.get("limits", {}))
     except (OSError, ValueError) as e:
@@ -66,22 +112,6 @@ def main(argv):
     if cfg["mode"] == "seatbelt":
         cmd = ["/usr/bin/sandbox-exec", "-p", cfg["profile"], "--"] + cmd
     elif cfg["mode"] == "landlock":
-        import landlock
-        import mountns
-        import seccomp
-
-        ns = cfg.get("ns")
-        if ns:
-            try:
-                mountns.enter()
-            except OSError as e:
-                fail("entering mount and PID namespaces", e)
-            mountns.fork_init()
-            try:
-                mountns.build(ns["root"], cfg["read"], cfg["write"], ns["tmp"], ns["tmp_bytes"], seccomp.arch())
-                os.chdir(ns["cwd"])
-            except OSError as e:
-                fail("building the private filesystem", e)
         if os.geteuid() == 0 or ns:
             try:
                 drop_capabilities()

@@ -11,6 +11,7 @@ No relative imports: the launcher (confine.py) loads this file as a top-level mo
 
 import ctypes
 import os
+import select
 import signal
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
@@ -38,7 +39,8 @@ def _mount(libc, src, target, fstype, flags, data=None):
 
 
 def enter():
-    """Unshare the mount and PID namespaces (and a user namespace mapping this uid when not root)."""
+    """Unshare the mount and PID namespaces (and a user namespace mapping this uid when not root): the
+    launcher's children start in them."""
     libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
     flags = CLONE_NEWNS | CLONE_NEWPID | (0 if uid == 0 else CLONE_NEWUSER)
@@ -49,15 +51,47 @@ def enter():
                 f.write(text)
 
 
-def fork_init():
-    """Fork the namespace's first process. The parent waits and exits with the child's status (it never
-    returns); the child, pid 1 inside, returns and dies with the parent."""
+def stage(tmp: str, ws_bytes: int) -> int:
+    """In the launcher's own mount namespace: a tmpfs of ws_bytes over tmp that will hold the new root and
+    the workspace overlay's upper layer. Returns an fd of the host's tmp folder (for the timeout mark)."""
+    libc = _libc()
+    host = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates back out
+    _mount(libc, "tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(ws_bytes)},mode=700")
+    for sub in ("root", "upper", "work"):
+        os.mkdir(os.path.join(tmp, sub), 0o700)
+    return host
+
+
+def fork_child() -> int:
+    """Fork the namespace's first process (pid 1 inside; it dies with the launcher); 0 in the child."""
     pid = os.fork()
     if pid == 0:
         _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        return
+    return pid
+
+
+def supervise(pid: int, timeout: float):
+    """Wait up to timeout for the child, SIGKILL it (and with it its whole PID namespace) after that;
+    (exit code as a shell reports it, timed out?)."""
+    timed_out = False
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        timed_out = not select.select([fd], [], [], timeout)[0]
+        os.close(fd)
+    if timed_out:
+        os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
-    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+    return (os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)), timed_out
+
+
+def private_mounts():
+    """A mount namespace of the child's own (unshared from the launcher's), so its pivot_root leaves the
+    launcher on the host's root."""
+    _check(_libc().unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
 
 
 def _place(root: str, path: str, is_dir: bool) -> str:
@@ -89,17 +123,21 @@ def _bind(libc, root: str, path: str, writable: bool):
     _mount(libc, None, target, None, flags)
 
 
-def build(root: str, read_paths, write_paths, tmp: str, tmp_bytes: int, machine: str, shm: str = SHM):
+def build(root: str, read_paths, write_paths, tmp: str, tmp_bytes: int, machine: str, overlay=None,
+          shm: str = SHM):
     """Make root the filesystem of this process: only the listed paths exist there, $TMPDIR (tmp) and
-    shm are fresh tmpfs folders of tmp_bytes each (never the host's); then pivot_root and forget the
-    old root."""
+    shm are fresh tmpfs folders of tmp_bytes each (never the host's), and overlay = (path, options)
+    mounts the workspace as an overlay instead of a bind; then pivot_root and forget the old root."""
     libc = _libc()
-    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates back out
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
     _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
     for p in sorted(read_paths, key=len):
         _bind(libc, root, p, writable=False)
-    for p in sorted(set(write_paths) - {tmp, shm}, key=len):
+    skip = {tmp, shm} | ({overlay[0]} if overlay else set())
+    for p in sorted(set(write_paths) - skip, key=len):
         _bind(libc, root, p, writable=True)
+    if overlay:
+        _mount(libc, "overlay", _place(root, overlay[0], True), "overlay", MS_NOSUID, overlay[1])
     for p, mode in ((tmp, "700"), (shm, "1777")):
         _mount(libc, "tmpfs", _place(root, p, True), "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(tmp_bytes)},mode={mode}")
     _mount(libc, None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)

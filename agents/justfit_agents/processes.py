@@ -22,12 +22,14 @@ SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "
                "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives", "/etc/gitconfig",
                "/dev/urandom", "/dev/random", "/dev/zero")
 DEVICE_WRITE = ("/dev/null",)
+COPYBACK_SECONDS = 30.0  # after a call's timeout, for the launcher to copy the workspace changes back
 
 
 @dataclass
 class Limits:
     """Per tool call: wall-clock timeout, memory (per process, and in total where a cgroup is offered),
-    processes, bytes per file, bytes in $TMPDIR in total (a size-capped tmpfs), output kept."""
+    processes, bytes per file, bytes in $TMPDIR in total (a size-capped tmpfs), bytes the call may
+    write into the workspace in total (its overlay's upper layer, Linux), output kept."""
 
     timeout: float = 10.0
     memory_bytes: int = 2 << 30
@@ -35,6 +37,7 @@ class Limits:
     file_bytes: int = 256 << 20
     output_chars: int = 8000
     disk_bytes: int = 256 << 20
+    workspace_bytes: int = 512 << 20
 
 
 @dataclass
@@ -107,8 +110,9 @@ def _config(mode: str, workspace: str, tmp: str, limits: Limits, cgroup_paths: O
     cfg = {"mode": mode, "read": read, "write": write, "cgroups": cgroup_paths or [],
            "limits": {"AS": limits.memory_bytes, "NPROC": nproc, "FSIZE": limits.file_bytes,
                       "CPU": int(limits.timeout) + 2, "CORE": 0}}
-    if mode == "landlock":  # the private root is built on tmp itself; $TMPDIR is a tmpfs at the same path
-        cfg["ns"] = {"root": tmp, "tmp": tmp, "tmp_bytes": limits.disk_bytes, "cwd": workspace}
+    if mode == "landlock":  # the launcher stages the call on a tmpfs over tmp; $TMPDIR is a tmpfs at the same path
+        cfg["ns"] = {"tmp": tmp, "tmp_bytes": limits.disk_bytes, "ws_bytes": limits.workspace_bytes, "cwd": workspace}
+        cfg["timeout"] = limits.timeout
         write.append(mountns.SHM)  # a private tmpfs there, never the host's
     if mode == "seatbelt":
         cfg["profile"] = seatbelt.profile(read, [workspace, tmp])
@@ -140,7 +144,10 @@ def run(argv: List[str], workspace: str, limits: Limits, mode: str, extra_read=(
         p = subprocess.Popen(cmd, cwd=workspace, env=minimal_env(str(workspace), tmp), stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         reader = _Reader(p.stdout, limits.output_chars)
-        rc = _wait_then_kill_group(p, limits.timeout)
+        grace = COPYBACK_SECONDS if "ns" in cfg else 0.0  # the launcher times the call out itself, then copies back
+        rc = _wait_then_kill_group(p, limits.timeout + grace)
+        if os.path.exists(os.path.join(tmp, "timed-out")):
+            rc = None
         cgroups.remove(cgroup)  # anything left in it dies before we wait for the pipe to close
         cgroup = None
         reader.join()

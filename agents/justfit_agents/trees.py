@@ -59,13 +59,29 @@ def walk(dir_fd: int, max_depth: int = MAX_OPEN, skipped: list = None) -> Iterat
 
 def remove_tree(path: str):
     """Remove path and everything under it, at any depth; errors are ignored (best effort, like
-    shutil.rmtree(ignore_errors=True)) but never a RecursionError. Folders deeper than MAX_OPEN are
-    first moved up to the top folder, so the fds held stay bounded."""
+    shutil.rmtree(ignore_errors=True)) but never a RecursionError."""
     try:
         top = os.open(path, DIR_FLAGS)
     except OSError:
         _unlink(path)
         return
+    _empty(top)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def remove_at(dir_fd: int, name: str):
+    """Remove the folder `name` in dir_fd and everything under it (never following a symlink);
+    OSError when it could not be removed."""
+    _empty(os.open(name, DIR_FLAGS, dir_fd=dir_fd))
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def _empty(top: int):
+    """Remove everything in the folder fd `top` (closed on return). Folders deeper than MAX_OPEN are
+    first moved up to the top folder, so the fds held stay bounded."""
     stack = [(top, None, None, set())]  # (fd, parent fd, name in parent, subfolders that would not go)
     hoisted = 0
     try:
@@ -80,7 +96,7 @@ def remove_tree(path: str):
                 continue
             if len(stack) >= MAX_OPEN:  # move the deep folder to the top and remove it from there later
                 hoisted += 1
-                new = f".justfit-deep-{hoisted}"
+                new = f".justfit-deep-{hoisted}-{os.urandom(3).hex()}"
                 try:
                     os.rename(child, new, src_dir_fd=fd, dst_dir_fd=top)
                 except OSError:
@@ -93,10 +109,6 @@ def remove_tree(path: str):
     finally:
         for fd, *_ in stack:
             os.close(fd)
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
 
 
 def _next_subdir(fd: int, stuck: set):
