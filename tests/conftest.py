@@ -35,3 +35,11 @@ def default_model_dir(test_home) -> Path:
 def runtime16(default_model_dir, test_home):
     """The real default model with a full-precision KV cache (the exactness reference)."""
     return justfit.Runtime(model=str(default_model_dir), kv=justfit.KVConfig(bits=16), home=test_home)
+
+
+@pytest.fixture(scope="session")
+def serve_runtime(default_model_dir, tmp_path_factory):
+    """The default model as `justfit serve` builds it (4-bit affine KV), over a home of its own: the
+    in-process server tests share it (server_support.InProcess) instead of starting one process each."""
+    kv = justfit.KVConfig(bits=4, format="affine")
+    return justfit.Runtime(model=str(default_model_dir), kv=kv, home=tmp_path_factory.mktemp("serve-home"))

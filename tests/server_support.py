@@ -1,4 +1,6 @@
-"""Start `justfit serve` as a real subprocess on a free loopback port, and stop it with a signal."""
+"""The server under test: `justfit serve` as a real subprocess on a free loopback port (Served, for what
+needs a real process or socket: signals, restarts, disconnects, CLI flags), or the same FastAPI app in
+this process over a shared Runtime (InProcess, for what the protocol alone decides)."""
 
 import os
 import signal
@@ -60,6 +62,44 @@ class Served:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+class InProcess:
+    """`create_app(rt, **options)` driven in this process through starlette's TestClient, which runs the
+    app's lifespan (stop() runs its shutdown: the worker stops and sessions are checkpointed). `http` is
+    an httpx.Client for the app (hand it to the openai SDK as http_client); `text()` is the server's log."""
+
+    url = "http://testserver"
+
+    def __init__(self, rt, **options):
+        import logging
+
+        from starlette.testclient import TestClient
+
+        from justfit.server.app import create_app
+
+        self.app = create_app(rt, **options)
+        self.records = []
+        self._handler = logging.Handler(logging.INFO)
+        self._handler.emit = lambda record: self.records.append(record.getMessage())
+        self._logger = logging.getLogger("justfit.server")
+        self._logger.addHandler(self._handler)
+        self._level = self._logger.level
+        self._logger.setLevel(logging.INFO)
+        self.http = TestClient(self.app, base_url=self.url, raise_server_exceptions=False).__enter__()
+
+    def async_client(self, **kw) -> httpx.AsyncClient:
+        """An httpx.AsyncClient for the app (for async SDKs), on the caller's event loop."""
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url=self.url, **kw)
+
+    def text(self) -> str:
+        return "\n".join(self.records)
+
+    def stop(self) -> int:
+        self.http.__exit__(None, None, None)
+        self._logger.removeHandler(self._handler)
+        self._logger.setLevel(self._level)
+        return 0
 
 
 def openapi_validator(name: str):

@@ -1,14 +1,13 @@
-"""`justfit serve` on the default model, driven by the official `openai` SDK over loopback: chat
+"""The server's app on the default model, in process, driven by the official `openai` SDK: chat
 (stream and not), text completions, tools with tool_choice required / named, json_schema output,
 cached tokens on a second turn, models.list; every response checked against OpenAI's OpenAPI spec."""
 
 import json
 
-import httpx
 import jsonschema
 import pytest
 
-from tests.server_support import Served, openapi_validator
+from tests.server_support import InProcess, openapi_validator
 
 openai = pytest.importorskip("openai")
 
@@ -24,16 +23,17 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    s = Served(tmp_path_factory.mktemp("serve-home"), str(default_model_dir))
+def server(serve_runtime):
+    s = InProcess(serve_runtime)
     yield s
-    assert s.stop() in (0, -15, 143), s.text()  # uvicorn re-raises SIGTERM after its graceful shutdown
+    s.stop()
     assert "sessions checkpointed" in s.text()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120,
+                         http_client=server.http)
 
 
 def check(schema: str, obj):
@@ -46,13 +46,13 @@ def check(schema: str, obj):
 def test_models_list_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
-    check("ListModelsResponse", httpx.get(server.url + "/v1/models").json())
-    check("Model", httpx.get(server.url + "/v1/models/SmolLM2-135M-Instruct").json())
-    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    check("ListModelsResponse", server.http.get("/v1/models").json())
+    check("Model", server.http.get("/v1/models/SmolLM2-135M-Instruct").json())
+    assert server.http.get("/health").json()["status"] == "ok"
 
 
 def test_chat_non_stream_with_usage(client, server):
-    raw = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+    raw = server.http.post("/v1/chat/completions", json={
         "model": "default", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6, "temperature": 0})
     check("CreateChatCompletionResponse", raw.json())
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=6, temperature=0,
@@ -164,7 +164,7 @@ def test_text_completions(client, server):
 
 
 def test_metrics_are_prometheus_text(server, client):
-    text = httpx.get(server.url + "/metrics").text
+    text = server.http.get("/metrics").text
     for name in ("justfit_requests_total", "justfit_prompt_tokens_total", "justfit_cached_tokens_total",
                  "justfit_ttft_seconds_bucket", "justfit_inter_token_seconds_count", "justfit_pool_pages",
                  "justfit_resident_bytes", "justfit_queue_length"):
