@@ -339,6 +339,26 @@ def test_syscalls_newer_than_the_filter_are_refused(tmp_path):
     assert out.split() == ["467", "38", "468", "38", "469", "38", "1000", "38"], out
 
 
+@pytest.mark.skipif(not MECH.cgroup, reason=f"needs a writable cgroup for the per-call totals: {MECH.detail}")
+def test_a_call_without_its_cgroup_does_not_run(tmp_path, monkeypatch):
+    """Where the machine offers per-call cgroups, a call whose cgroup cannot be made is refused, not run
+    without its memory and process totals."""
+    from justfit_agents import cgroups
+
+    monkeypatch.setattr(cgroups, "make", lambda *a: None)
+    (tmp_path / "ran").mkdir()
+    out = Workspace(tmp_path, timeout=10).tools(python=True)[-1](code="import os; os.rmdir('ran'); print('ran')")
+    assert out.startswith("the sandbox could not start") and "cgroup" in out, out
+    assert (tmp_path / "ran").is_dir()
+
+
+@needs_landlock
+def test_landlock_without_scoping_is_accepted_with_namespaces(monkeypatch):
+    monkeypatch.setattr(landlock, "abi", lambda: 5)
+    m = processes.mechanism.__wrapped__()
+    assert m.name == "landlock" and m.detail.startswith("Landlock ABI 5"), m.detail
+
+
 def test_seccomp_denies_reaching_other_pids_in_the_program():
     from justfit_agents import seccomp
 

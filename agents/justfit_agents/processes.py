@@ -132,16 +132,20 @@ def _processes_of_uid() -> int:
     return n or 512
 
 
-def run(argv: List[str], workspace: str, limits: Limits, mode: str, extra_read=()):
+def run(argv: List[str], workspace: str, limits: Limits, mode: str, extra_read=(), need_cgroup: bool = False):
     """Run argv confined (mode 'landlock' | 'seatbelt' | 'none'); (output text, exit code or None when
-    it timed out, chars written in all). The output keeps what was printed before any kill."""
+    it timed out, chars written in all). The output keeps what was printed before any kill. need_cgroup:
+    refuse (exit 126, a `justfit sandbox:` line) rather than run without the call's cgroup."""
     import json
 
-    tmp = tempfile.mkdtemp(prefix="justfit-tool-")
     cgroup = cgroups.make(limits.processes, limits.memory_bytes) if mode == "landlock" else None
-    cfg = _config(mode, str(workspace), tmp, limits, cgroup, extra_read)
-    cmd = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg), "--"] + list(argv)
+    if need_cgroup and not cgroup:
+        return "justfit sandbox: making the call's memory and pids cgroup failed\n", 126, 0
+    tmp = None
     try:
+        tmp = tempfile.mkdtemp(prefix="justfit-tool-")
+        cfg = _config(mode, str(workspace), tmp, limits, cgroup, extra_read)
+        cmd = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg), "--"] + list(argv)
         p = subprocess.Popen(cmd, cwd=workspace, env=minimal_env(str(workspace), tmp), stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         reader = _Reader(p.stdout, limits.output_chars)
@@ -155,7 +159,8 @@ def run(argv: List[str], workspace: str, limits: Limits, mode: str, extra_read=(
         return reader.text(), rc, reader.total
     finally:
         cgroups.remove(cgroup)
-        remove_tree(tmp)
+        if tmp:
+            remove_tree(tmp)
 
 
 def _wait_then_kill_group(p: subprocess.Popen, timeout: float) -> Optional[int]:

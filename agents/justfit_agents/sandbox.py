@@ -308,7 +308,8 @@ class Workspace:
     def _run(self, argv: List[str]) -> str:
         mode = self.sandbox_mode()
         limits = dataclasses.replace(self.limits, timeout=self.timeout, output_chars=self.max_output)
-        out, rc, total = processes.run(argv, str(self.root), limits, mode)
+        need_cgroup = mode == "landlock" and processes.mechanism().cgroup  # offered, so never run without it
+        out, rc, total = processes.run(argv, str(self.root), limits, mode, need_cgroup=need_cgroup)
         if len(out) > self.max_output or total > len(out.encode()):
             out = out[: self.max_output] + f"\n[output cut: showed {min(len(out), self.max_output)} characters of {total} bytes]"
         if rc is None:
