@@ -231,6 +231,18 @@ def test_copy_back_never_follows_a_planted_symlink(tmp_path):
     assert not (root / "f.txt").is_symlink()
 
 
+@needs_landlock
+def test_file_count_is_a_total_per_call(tmp_path):
+    code = ("import os\nn = 0\ntry:\n    while n < 5000:\n        os.close(os.open(f'e{n}', os.O_CREAT | os.O_WRONLY)); n += 1\n"
+            "except OSError as e:\n    print('stopped', e.errno)\nprint('files', n)\n")
+    try:
+        out = Workspace(tmp_path, timeout=60, limits=processes.Limits(files=2000)).run_python(code)
+        n = int(out.split("files")[1].split()[0])
+        assert "stopped 28" in out and n < 2000, out
+    finally:
+        remove_tree(str(tmp_path))
+
+
 def test_regex_search_cannot_hang_the_agent(tmp_path):
     (tmp_path / "a.txt").write_text("a" * 40 + "!\n")
     code = ("import sys; sys.path[:0] = sys.argv[2:]\nfrom justfit_agents.sandbox import Workspace\n"

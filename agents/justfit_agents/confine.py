@@ -60,7 +60,7 @@ def enter_namespaces(cfg: dict, ns: dict):
     tmp, ws = ns["tmp"], ns["cwd"]
     try:
         mountns.enter()
-        host_tmp = mountns.stage(tmp, ns["ws_bytes"])
+        host_tmp = mountns.stage(tmp, ns["ws_bytes"], ns["max_files"])
         options = copyback.mount_options(ws, os.path.join(tmp, "upper"), os.path.join(tmp, "work"), os.geteuid() != 0)
     except OSError as e:
         fail("entering mount and PID namespaces", e)
@@ -69,7 +69,7 @@ def enter_namespaces(cfg: dict, ns: dict):
         try:
             mountns.private_mounts()
             mountns.build(os.path.join(tmp, "root"), cfg["read"], cfg["write"], tmp, ns["tmp_bytes"], seccomp.arch(),
-                          overlay=(ws, options))
+                          overlay=(ws, options), max_files=ns["max_files"])
             os.chdir(ws)
         except OSError as e:
             fail("building the private filesystem", e)

@@ -51,13 +51,13 @@ def enter():
                 f.write(text)
 
 
-def stage(tmp: str, ws_bytes: int) -> int:
-    """In the launcher's own mount namespace: a tmpfs of ws_bytes over tmp that will hold the new root and
-    the workspace overlay's upper layer. Returns an fd of the host's tmp folder (for the timeout mark)."""
+def stage(tmp: str, ws_bytes: int, max_files: int) -> int:
+    """In the launcher's own mount namespace: a tmpfs of ws_bytes and max_files inodes over tmp that will
+    hold the new root and the workspace overlay's upper layer. Returns an fd of the host's tmp folder (for the timeout mark)."""
     libc = _libc()
     host = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates back out
-    _mount(libc, "tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(ws_bytes)},mode=700")
+    _mount(libc, "tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(ws_bytes)},nr_inodes={int(max_files)},mode=700")
     for sub in ("root", "upper", "work"):
         os.mkdir(os.path.join(tmp, sub), 0o700)
     return host
@@ -124,9 +124,9 @@ def _bind(libc, root: str, path: str, writable: bool):
 
 
 def build(root: str, read_paths, write_paths, tmp: str, tmp_bytes: int, machine: str, overlay=None,
-          shm: str = SHM):
+          shm: str = SHM, max_files: int = 100_000):
     """Make root the filesystem of this process: only the listed paths exist there, $TMPDIR (tmp) and
-    shm are fresh tmpfs folders of tmp_bytes each (never the host's), and overlay = (path, options)
+    shm are fresh tmpfs folders of tmp_bytes and max_files inodes each (never the host's), and overlay = (path, options)
     mounts the workspace as an overlay instead of a bind; then pivot_root and forget the old root."""
     libc = _libc()
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
@@ -139,7 +139,7 @@ def build(root: str, read_paths, write_paths, tmp: str, tmp_bytes: int, machine:
     if overlay:
         _mount(libc, "overlay", _place(root, overlay[0], True), "overlay", MS_NOSUID, overlay[1])
     for p, mode in ((tmp, "700"), (shm, "1777")):
-        _mount(libc, "tmpfs", _place(root, p, True), "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(tmp_bytes)},mode={mode}")
+        _mount(libc, "tmpfs", _place(root, p, True), "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(tmp_bytes)},nr_inodes={int(max_files)},mode={mode}")
     _mount(libc, None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(root)
     libc.syscall.restype = ctypes.c_long

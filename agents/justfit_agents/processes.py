@@ -29,7 +29,8 @@ COPYBACK_SECONDS = 30.0  # after a call's timeout, for the launcher to copy the 
 class Limits:
     """Per tool call: wall-clock timeout, memory (per process, and in total where a cgroup is offered),
     processes, bytes per file, bytes in $TMPDIR in total (a size-capped tmpfs), bytes the call may
-    write into the workspace in total (its overlay's upper layer, Linux), output kept."""
+    write into the workspace in total (its overlay's upper layer, Linux), files it may create in each
+    of those (inodes: a call cannot fill memory or the copy-back with empty files), output kept."""
 
     timeout: float = 10.0
     memory_bytes: int = 2 << 30
@@ -38,6 +39,7 @@ class Limits:
     output_chars: int = 8000
     disk_bytes: int = 256 << 20
     workspace_bytes: int = 512 << 20
+    files: int = 100_000
 
 
 @dataclass
@@ -112,7 +114,8 @@ def _config(mode: str, workspace: str, tmp: str, limits: Limits, cgroup_paths: O
            "limits": {"AS": limits.memory_bytes, "NPROC": nproc, "FSIZE": limits.file_bytes,
                       "CPU": int(limits.timeout) + 2, "CORE": 0}}
     if mode == "landlock":  # the launcher stages the call on a tmpfs over tmp; $TMPDIR is a tmpfs at the same path
-        cfg["ns"] = {"tmp": tmp, "tmp_bytes": limits.disk_bytes, "ws_bytes": limits.workspace_bytes, "cwd": workspace}
+        cfg["ns"] = {"tmp": tmp, "tmp_bytes": limits.disk_bytes, "ws_bytes": limits.workspace_bytes,
+                     "max_files": limits.files, "cwd": workspace}
         cfg["timeout"] = limits.timeout
         write.append(mountns.SHM)  # a private tmpfs there, never the host's
     if mode == "seatbelt":
