@@ -1,5 +1,7 @@
-"""`justfit serve` under bad input and rude clients: 30 kinds of bad request each get a 4xx in OpenAI's
-error envelope, a client that disconnects mid-stream cancels its generation and frees its pages, and
+"""The server under bad input and rude clients: 30 kinds of bad request each get a 4xx in OpenAI's
+error envelope (the app in process, with an API key and a body cap), a client that disconnects
+mid-stream over a real socket cancels its generation and frees its pages (a `justfit serve` process;
+marked slow, since test_server_batching's default test checks the same cancel and page release), and
 the server stays healthy throughout. Also: non-loopback binds without a key are refused."""
 
 import json
@@ -11,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_support import ROOT, Served, openapi_validator
+from tests.server_support import ROOT, InProcess, Served, openapi_validator
 
 KEY = "sk-test-123"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -20,7 +22,15 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
+def server(serve_runtime):
+    s = InProcess(serve_runtime, api_key=KEY, max_body=65536)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def served(default_model_dir, tmp_path_factory):
+    """A real process, for the disconnect over a socket."""
     s = Served(tmp_path_factory.mktemp("serve-errors"), str(default_model_dir), "--api-key", KEY,
                "--max-body", "65536")
     yield s
@@ -76,22 +86,22 @@ def check_envelope(r: httpx.Response, status=None):
 
 @pytest.mark.parametrize("what,path,body", BAD_JSON, ids=[b[0] for b in BAD_JSON])
 def test_bad_json_requests_get_the_envelope(server, what, path, body):
-    err = check_envelope(httpx.post(server.url + path, json=body, headers=AUTH, timeout=60), 400)
+    err = check_envelope(server.http.post(path, json=body, headers=AUTH), 400)
     assert "Traceback" not in err["message"]
 
 
 def test_bad_transport_requests(server):
-    u = server.url
-    check_envelope(httpx.post(u + "/v1/chat/completions", content=b"{not json", headers={**AUTH, "content-type": "application/json"}), 400)
-    check_envelope(httpx.post(u + "/v1/chat/completions", json=chat(), headers={}), 401)
-    check_envelope(httpx.post(u + "/v1/chat/completions", json=chat(), headers={"authorization": "Bearer sk-test-124"}), 401)
-    check_envelope(httpx.get(u + "/v1/models"), 401)
-    check_envelope(httpx.post(u + "/v1/chat/completions", json=chat(messages=[{"role": "user", "content": "x" * 70000}]), headers=AUTH), 413)
-    check_envelope(httpx.get(u + "/v1/nothing", headers=AUTH), 404)
-    check_envelope(httpx.get(u + "/v1/chat/completions", headers=AUTH), 405)
-    check_envelope(httpx.get(u + "/v1/models/gpt-9", headers=AUTH), 404)
-    assert httpx.get(u + "/health").json()["status"] == "ok"  # open without the key: for load balancers
-    assert httpx.get(u + "/v1/models", headers=AUTH).status_code == 200
+    h = server.http
+    check_envelope(h.post("/v1/chat/completions", content=b"{not json", headers={**AUTH, "content-type": "application/json"}), 400)
+    check_envelope(h.post("/v1/chat/completions", json=chat(), headers={}), 401)
+    check_envelope(h.post("/v1/chat/completions", json=chat(), headers={"authorization": "Bearer sk-test-124"}), 401)
+    check_envelope(h.get("/v1/models"), 401)
+    check_envelope(h.post("/v1/chat/completions", json=chat(messages=[{"role": "user", "content": "x" * 70000}]), headers=AUTH), 413)
+    check_envelope(h.get("/v1/nothing", headers=AUTH), 404)
+    check_envelope(h.get("/v1/chat/completions", headers=AUTH), 405)
+    check_envelope(h.get("/v1/models/gpt-9", headers=AUTH), 404)
+    assert h.get("/health").json()["status"] == "ok"  # open without the key: for load balancers
+    assert h.get("/v1/models", headers=AUTH).status_code == 200
 
 
 def _pages(url: str) -> int:
@@ -125,7 +135,9 @@ def _cancel_one(server):
     assert _cancelled(server.url) == cancelled + 1
 
 
-def test_disconnect_mid_stream_cancels_and_frees_pages(server):
+@pytest.mark.slow
+def test_disconnect_mid_stream_cancels_and_frees_pages(served):
+    server = served
     before = _pages(server.url)
     generated = _counter(server.url, "justfit_completion_tokens_total")
     _cancel_one(server)
@@ -152,6 +164,6 @@ def test_refuses_public_bind_without_key(tmp_path):
 def test_stream_errors_after_start_are_in_band(server):
     # an error raised after the stream began still ends it with an envelope, never a broken socket
     body = chat(stream=True, prompt_cache_key="../bad")
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    r = server.http.post("/v1/chat/completions", json=body, headers=AUTH)
     lines = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
     assert r.status_code == 400 or any("error" in x for x in lines)

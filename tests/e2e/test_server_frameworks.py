@@ -1,16 +1,16 @@
-"""Agent frameworks as their users run them, against `justfit serve` on the default model: the OpenAI
+"""Agent frameworks as their users run them, against the server's app on the default model (in process): the OpenAI
 Agents SDK (an Agent with one function tool) and LangChain (`ChatOpenAI.bind_tools`), each completing
 a tool round trip. SmolLM2-135M is weak, so the call is forced with tool_choice (the grammar makes it
 valid); what is tested is the wire protocol each framework speaks."""
 
 import pytest
 
-from tests.server_support import Served
+from tests.server_support import InProcess
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    s = Served(tmp_path_factory.mktemp("serve-fw"), str(default_model_dir))
+def server(serve_runtime):
+    s = InProcess(serve_runtime)
     yield s
     s.stop()
 
@@ -28,7 +28,8 @@ def test_openai_agents_sdk_function_tool(server):
         calls.append(city)
         return f"18 C and sunny in {city}"
 
-    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300,
+                         http_client=server.async_client())
     agent = agents.Agent(
         name="weather", instructions="Answer weather questions with the tool.", tools=[get_weather],
         model=agents.OpenAIChatCompletionsModel(model="default", openai_client=client),
@@ -51,7 +52,7 @@ def test_langchain_chatopenai_bind_tools_round_trip(server):
         return "14:05"
 
     llm = ChatOpenAI(model="default", base_url=server.url + "/v1", api_key="unused", temperature=0, max_tokens=40,
-                     max_retries=0, timeout=300)
+                     max_retries=0, timeout=300, http_client=server.http)
     msgs = [HumanMessage("What time is it in Tokyo?")]
     ai = llm.bind_tools([get_time], tool_choice="get_time").invoke(msgs)
     assert [c["name"] for c in ai.tool_calls] == ["get_time"] and isinstance(ai.tool_calls[0]["args"]["city"], str)
