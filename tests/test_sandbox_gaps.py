@@ -128,6 +128,30 @@ def test_private_dev_shm_for_multiprocessing(tmp_path):
             host.close()
 
 
+def _sysv_keys():
+    try:
+        with open("/proc/sysvipc/shm") as f:
+            return {line.split()[0] for line in f.readlines()[1:]}
+    except OSError:
+        return set()
+
+
+@needs_landlock
+def test_sysv_shared_memory_stays_inside_the_call(tmp_path):
+    """SysV IPC lives in the IPC namespace, not the filesystem: without its own, a call could open the
+    host's segments or leave segments that outlive it."""
+    key = 0x4A46_0000 + os.getpid() % 0xFFFF
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print('made', libc.shmget({key}, 1 << 20, 0o1000 | 0o666) >= 0)\n")  # IPC_CREAT, left behind
+    out = Workspace(tmp_path, timeout=10).run_python(code)
+    assert "made True" in out, out
+    left = str(key) in _sysv_keys()
+    if left:  # the old code leaves it behind: remove it so it does not outlive the test run either
+        libc = __import__("ctypes").CDLL(None)
+        libc.shmctl(libc.shmget(key, 0, 0), 0, None)  # IPC_RMID
+    assert not left, "a SysV segment made in the call outlived it in the host's IPC namespace"
+
+
 @needs_landlock
 def test_memory_is_a_total_per_call(tmp_path):
     ws = Workspace(tmp_path, timeout=20, limits=processes.Limits(memory_bytes=160 << 20, processes=32))

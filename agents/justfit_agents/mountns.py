@@ -1,5 +1,5 @@
-"""A private filesystem view for one tool call, built the way bubblewrap builds one: new mount and PID
-namespaces (plus a user namespace when not root), an empty tmpfs root holding only read-only binds of
+"""A private filesystem view for one tool call, built the way bubblewrap builds one: new mount, PID and
+IPC namespaces (plus a user namespace when not root), an empty tmpfs root holding only read-only binds of
 the system folders, read-write binds of the workspace and the devices it may write, and size-capped
 private tmpfs folders for $TMPDIR and /dev/shm (POSIX semaphores: multiprocessing); then pivot_root
 into it. Landlock decides what may be opened; this decides what
@@ -14,7 +14,7 @@ import os
 import select
 import signal
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 MNT_DETACH, PR_SET_PDEATHSIG = 2, 1
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
@@ -39,11 +39,12 @@ def _mount(libc, src, target, fstype, flags, data=None):
 
 
 def enter():
-    """Unshare the mount and PID namespaces (and a user namespace mapping this uid when not root): the
-    launcher's children start in them."""
+    """Unshare the mount, PID and IPC namespaces (SysV IPC and POSIX message queues are not files, so
+    Landlock does not see them), and a user namespace mapping this uid when not root; the launcher's
+    children start in them."""
     libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
-    flags = CLONE_NEWNS | CLONE_NEWPID | (0 if uid == 0 else CLONE_NEWUSER)
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if uid == 0 else CLONE_NEWUSER)
     _check(libc.unshare(flags), "unshare")
     if uid != 0:
         for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):

@@ -98,7 +98,7 @@ def mechanism() -> Mechanism:
         notes.append("no writable cgroup: memory is capped per process and processes by RLIMIT_NPROC only"
                      + (" (which does not bind root)" if os.geteuid() == 0 else ""))
     net = "TCP denied by Landlock and seccomp" if abi >= 4 else "sockets denied by seccomp"
-    detail = (f"Landlock ABI {abi} + seccomp ({seccomp.arch()}) + mount/PID namespaces: only the workspace and "
+    detail = (f"Landlock ABI {abi} + seccomp ({seccomp.arch()}) + mount/PID/IPC namespaces: only the workspace and "
               f"read-only system folders exist, {net}, rlimits, size-capped $TMPDIR and workspace writes (an overlay "
               f"copied back after the call), process group killed at "
               f"the timeout" + (", memory and pids cgroup per call" if cg else ""))
