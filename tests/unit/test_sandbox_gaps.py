@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from . import agents_support  # noqa: F401
+from tests import agents_support  # noqa: F401
 from justfit_agents import landlock, processes
 from justfit_agents.sandbox import Workspace
 from justfit_agents.trees import remove_tree
