@@ -55,9 +55,11 @@ def _attend(queries, cache: PagedKVCache, scale: float, mask, sinks):
     q = (queries[0].astype(mx.float32) * scale).reshape(H, rep, L, -1)
     q_first = cache.offset - L  # absolute position of query 0
     block = min(max(1, RUN_ELEMENTS // (Hq * P)), _block_rows(q_first, L, P))
+    own_copies = cache.batched and bool(cache.recent)  # a page this chunk sealed: read as a copy by its own rows only
     out = []
-    for l0 in range(0, L, block):
-        l1 = min(L, l0 + block)
+    for l0, l1 in _blocks(q_first, L, block, P if own_copies else None):
+        if own_copies:
+            pages = cache.attended_pages(q_first + l0)
         run_tokens = min(MAX_RUN_TOKENS, max(P, RUN_ELEMENTS // (Hq * (l1 - l0)) // P * P))
         qb = q[:, :, l0:l1].reshape(H, rep * (l1 - l0), -1)
         if out:  # several blocks only in a long prefill: one block at a time, as runs are (see _attend_block)
@@ -67,6 +69,19 @@ def _attend(queries, cache: PagedKVCache, scale: float, mask, sinks):
         out.append(o.reshape(H, rep, l1 - l0, -1))
     o = out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
     return o.reshape(1, Hq, L, -1).astype(queries.dtype)
+
+
+def _blocks(q_first: int, L: int, block: int, page: Optional[int]):
+    """[(l0, l1)] query row ranges of at most `block` rows; none crosses a page boundary when `page` is given
+    (each range then reads one own page)."""
+    out, l0 = [], 0
+    while l0 < L:
+        l1 = min(L, l0 + block)
+        if page is not None:
+            l1 = min(l1, ((q_first + l0) // page + 1) * page - q_first)
+        out.append((l0, l1))
+        l0 = l1
+    return out
 
 
 def _block_rows(q_first: int, L: int, P: int) -> int:

@@ -128,6 +128,8 @@ def batch_attention(queries, layer: BatchLayer, scale: float, sinks=None):
             o = _decode_batch(q, caches, scale, plan.memo, plan.masks, plan.dequant)
         else:
             _drop_layer(plan.memo, layer.layer)
+        for c in caches:
+            c.settle_window()  # a page this token sealed was read from its float copy: the copy goes now
         if every:  # no gather of the rows' queries, no split and concatenation of their outputs
             return o[:, :, None].astype(queries.dtype)
         for j, (slot, _, _) in enumerate(decode):

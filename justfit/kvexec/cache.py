@@ -4,7 +4,10 @@
 and is quantized when it seals) and returns lightweight `PagedKV` handles. The float window: a quantized
 page keeps a float copy beside it while it is among the `kv.float_pages` pages before the first new
 token's own, so every query reads its own page and the previous one in full precision whatever the chunking
-(`attended_pages`); the copy is this sequence's, in memory only. The attention dispatcher
+(`attended_pages`); the copy is this sequence's, in memory only. Batched serving (`for_batch`) keeps no
+window but still copies a page sealed within a chunk until that chunk's attention has read it, so every
+query reads its own page in 16 bits and older pages as stored: what it reads never depends on how the
+prompt was chunked (the engine sizes chunks by load). The attention dispatcher
 installed by routing.py recognizes them and runs paged attention (attention.py). For a model whose
 attention cannot be routed, the cache runs in `dense` mode and returns dequantized K/V arrays instead.
 """
@@ -82,7 +85,7 @@ class PagedKVCache(_BaseCache):
             self._setup(H, D, values.shape[-1], keys.dtype)
         start = self.offset
         self.seq.reserve(start + L)  # atomic across layers: raises before anything changes
-        self._forget(start // self.seq.page_size - self.kv.float_pages)
+        self._forget(start // self.seq.page_size - self.window_pages)
         pos, P = start, self.seq.page_size
         while pos < start + L:
             index, off = divmod(pos, P)
@@ -156,12 +159,15 @@ class PagedKVCache(_BaseCache):
             out.append((index * P, min(P, self.offset - index * P), page))
         return out
 
-    def attended_pages(self):
-        """pages() as attention reads them: a quantized page in the float window as its float copy."""
+    def attended_pages(self, query: Optional[int] = None):
+        """pages() as the query at position `query` (default: the newest token) reads them: a quantized page in
+        the float window as its float copy; when batched, only that query's own page (see for_batch)."""
         if not self.recent:
             return self.pages()
         P = self.seq.page_size
-        return [(s, n, self.recent.get(s // P, page) if page.kind == QUANT else page) for s, n, page in self.pages()]
+        own = (self.offset - 1 if query is None else query) // P
+        return [(s, n, self.recent.get(s // P, page) if page.kind == QUANT and (not self.batched or s // P == own)
+                 else page) for s, n, page in self.pages()]
 
     def codec(self, page: Page):
         """(key codec, value codec) that read this page."""
@@ -192,7 +198,12 @@ class PagedKVCache(_BaseCache):
         """After a chunk's attention: keep only the copies later queries read (the `float_pages` before the
         next token's page), so a long prefill chunk, whose queries needed all of its pages' copies, leaves
         at most float_pages of them."""
-        self._forget(self.offset // self.seq.page_size - self.kv.float_pages)
+        self._forget(self.offset // self.seq.page_size - self.window_pages)
+
+    @property
+    def window_pages(self) -> int:
+        """Sealed pages before the first new token's own that keep their float copies: none when batched."""
+        return 0 if self.batched else self.kv.float_pages
 
     def drop_window(self, keep: bool = True):
         """Free the float copies now: attention reads those pages quantized; pages sealed later get copies
@@ -203,7 +214,8 @@ class PagedKVCache(_BaseCache):
     def for_batch(self):
         """Batched serving (the scheduler): no float window, and open pages in the 16-bit storage dtype, so a
         sequence holds what engine/kvbytes.KVBytes counts (a float32 open page is ~6 MB more a sequence on
-        the default model: 12 instead of 14 4k-token sequences in 512 MiB). Mid-sequence too: the copies and
+        the default model: 12 instead of 14 4k-token sequences in 512 MiB). A page sealed within a chunk keeps
+        its copy only while that chunk's attention runs (window_pages). Mid-sequence too: the copies and
         the memo that stacked them go now, and the open page is cast once at its next write."""
         self.drop_window(keep=False)
         self.drop_memo()
@@ -260,9 +272,11 @@ class PagedKVCache(_BaseCache):
             page = Page(FULL, fk.encode(k), fv.encode(v))
         else:
             ck, cv = self.codecs
+            if self.batched:  # coded from what its open page held, however the page's tokens arrived (chunking)
+                k, v = k.astype(self.open_dtype), v.astype(self.open_dtype)
             k, v = k.astype(self.dtype), v.astype(self.dtype)  # a 16-bit open page (batched): code from float32
             page = Page(QUANT, kernels.seal(ck, k) or ck.encode(k), kernels.seal(cv, v) or cv.encode(v))
-            if self.windowed:
+            if self.windowed or self.batched:  # batched: only until this chunk's attention read it (settle_window)
                 fk, fv = self.full
                 self.recent[index] = Page(FULL, fk.encode(k), fv.encode(v))
         self.seq.pool.put(self.layer, pid, page)
