@@ -15,7 +15,7 @@ import pytest
 
 from justfit.server.logs import RateLimit
 
-from .server_support import Served
+from tests.server_support import Served
 
 KEY = "sk-slow-123"
 AUTH = {"authorization": f"Bearer {KEY}"}

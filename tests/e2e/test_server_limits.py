@@ -14,7 +14,7 @@ from justfit.server.limits import (MAX_DEPTH, MAX_INT_DIGITS, MAX_SCHEMA_DEPTH, 
                                    check_value, parse_json)
 from justfit.server.schema import ChatRequest, CompletionRequest
 
-from .server_support import Served, openapi_validator
+from tests.server_support import Served, openapi_validator
 
 MSG = [{"role": "user", "content": "Hi"}]
 S = "\ud800"  # a lone surrogate: json.dumps writes it as the escape `\ud800`, which JSON parsers accept
