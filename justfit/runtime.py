@@ -1,7 +1,7 @@
 """Runtime: owns the model, its page pool and prefix index, residency and drafter; runs turns.
 
-Every turn goes tokens -> prefix lookup (statetrans) -> the token engine (justfit/engine) over a
-KVExec cache -> pages published for the next prompt. Fronts (chat, sessions, agents, benches, the
+Every turn goes tokens -> prefix lookup (statetrans) -> a request of the engine core (justfit/engine)
+over a KVExec cache -> pages published for the next prompt. Fronts (chat, sessions, agents, benches, the
 server) call `stream`/`generate`/`stream_tokens`; none has a loop of its own.
 """
 
@@ -11,7 +11,6 @@ from .config import KVConfig, home as home_dir
 from .errors import UserError
 from .engine.sampling import Sampling
 from .engine.runner import prefill
-from .engine.solo import stream_turn
 from .turns import Chunk, Generation, Turn, TurnStats
 
 Prompt = Union[str, List[dict], List[int]]
@@ -152,14 +151,32 @@ class Runtime:
                       reused_tokens: int = 0, sampling: Optional[Sampling] = None,
                       progress: Optional[Callable] = None, fed: Optional[List[int]] = None,
                       stats: Optional[TurnStats] = None, **options) -> Turn:
-        """Prefill `tokens` not yet in `cache` (all but the first `reused_tokens`) then decode; `fed`
-        receives the generated ids the cache holds afterwards (the end-of-turn id included). The Turn's
-        stats are `stats` when given (the caller's own record), else a new TurnStats."""
+        """Prefill `tokens` not yet in `cache` (all but the first `reused_tokens`) then decode, as a request
+        of the engine core on these caches; `fed` receives the generated ids the cache holds afterwards (the
+        end-of-turn id included). The Turn's stats are `stats` when given (the caller's own record), else a
+        new TurnStats."""
         sampling = sampling or Sampling(temperature=temperature, top_p=top_p, seed=seed, **options)
         stats = stats if stats is not None else TurnStats()
         self.last_stats = stats
-        return Turn(stream_turn(self.model, self.tokenizer, tokens, cache, reused_tokens, max_tokens, sampling,
-                                stats, self.phaseswap, self.drafter, self.gate, self.steering, progress, fed), stats)
+        return Turn(self._turn(tokens, cache, max_tokens, reused_tokens, sampling, stats, progress, fed), stats)
+
+    def _turn(self, tokens, cache, max_tokens, reused, sampling, stats, progress, fed) -> Iterator[Chunk]:
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise UserError(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
+        if not tokens:
+            raise UserError("the prompt renders to no tokens")
+        if self.steering is not None:  # a decode-budget policy (regime steering) reserves, the caller still limits
+            reserved, note = self.steering(len(tokens), max_tokens)
+            stats.requested_max_tokens, stats.reserved_max_tokens, stats.steer_note = max_tokens, reserved, note
+        req = self.batch_engine().submit(tokens, max_tokens, caches=cache, reused=reused, progress=progress,
+                                         stats=stats, sampling=sampling)
+        try:
+            yield from req
+        finally:
+            if not req.done:
+                req.cancel()  # the caller stopped early: what was computed stays in the cache
+            if fed is not None:
+                fed.extend(req.held())
 
     def prefill(self, tokens: List[int], cache: list, progress: Optional[Callable] = None,
                 after_chunk: Optional[Callable] = None, step: Optional[int] = None) -> float:

@@ -7,7 +7,6 @@ the core loop (in the split of vLLM's v1 engine, in mlx-lm's small-file style).
     kv.py         the KV manager: caches attached and released, the running byte count, speed copies
     runner.py     every model call that produces tokens: prefill, lone and batched passes, speculative verify
     core.py       the step loop (Engine), synchronous or on its one worker thread
-    solo.py       the lone-sequence loop over caller-owned caches (rt.stream, sessions)
 """
 
 from .core import AsyncRequest, Engine

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..errors import UserError
 from ..models.vocab import check_token_ids, vocab_size
-from ..turns import Chunk, Generation
+from ..turns import Chunk, Generation, TurnStats
 from .kv import KVManager
 from .request import DONE, RUNNING, Request
 from .runner import Runner
@@ -48,26 +48,43 @@ class Engine:
         self._ids = itertools.count()
         self._executor = None
         self._ahead: Optional[tuple] = None  # (plan, logits, argmax) of the next step, queued early
+        self._wait = False  # a lone request's drafter will propose: the next pass is not queued early
+        self._t_last: Optional[float] = None  # when the last overlapped lone step's token was taken
 
     @property
     def budget_bytes(self) -> Optional[int]:
         return self.kv.budget_bytes
 
     # -- requests ----------------------------------------------------------------------------------
-    def submit(self, tokens: List[int], max_tokens: int = 256, **sampling) -> Request:
-        """Queue a request; bad requests raise UserError here and never touch the running batch."""
+    def submit(self, tokens: List[int], max_tokens: int = 256, caches: Optional[list] = None, reused: int = 0,
+               progress: Optional[Callable] = None, stats: Optional[TurnStats] = None,
+               sampling: Optional[Sampling] = None, **options) -> Request:
+        """Queue a request; bad requests raise UserError here and never touch the running batch.
+
+        caches: the caller's own per-layer caches already holding tokens[:reused] (a session's history, a
+        prefix lookup's): the turn runs on them and leaves them holding the whole turn, end-of-turn id
+        included, so the next turn reuses every token. Otherwise the engine makes caches, attaches the
+        longest cached prefix and publishes the pages when done. progress(done, total) after each prefill
+        chunk; stats: the caller's TurnStats to fill; sampling: a Sampling, or its fields as options."""
         tokens = list(tokens)
         if not tokens:
             raise UserError("the prompt is empty: give at least one token")
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
         tokens = check_token_ids(tokens, self.vocab)
-        if len(tokens) + max_tokens > self.context:
-            raise UserError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                            f"context of {self.context} tokens")
-        self.kv.check(len(tokens) + max_tokens)
-        req = Request(self, next(self._ids), tokens, max_tokens, Sampling(**sampling), self.tokenizer)
+        if caches is None:
+            if len(tokens) + max_tokens > self.context:
+                raise UserError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                                f"context of {self.context} tokens")
+            self.kv.check(len(tokens) + max_tokens)
+        elif not 0 <= reused < len(tokens):
+            raise ValueError("reused tokens must leave at least one token to prefill")
+        sampling = sampling if sampling is not None else Sampling(**options)
+        req = Request(self, next(self._ids), tokens, max_tokens, sampling, self.tokenizer, caches, reused, progress,
+                      stats)
         with self.lock:
+            if self.scheduler.idle():
+                self.runner.reset_peak()
             self.scheduler.add(req)
         return req
 
@@ -112,23 +129,23 @@ class Engine:
                 plan = self.scheduler.schedule()
                 if not plan:
                     return 0
-                self.runner.enter("decode")
                 t0, waited = time.perf_counter(), True  # built and computed in this call (not queued before)
                 current = self.runner.start(plan)
             plan, logits, greedy = current
-            nxt = self._queue_next(plan, greedy)  # built while this pass computes
-            greedy = greedy.tolist()
+            self._ahead = self._queue_next(plan, greedy)  # built while this pass computes
+            greedy = greedy.tolist() if greedy is not None else None
             self.steps += 1
             now = time.perf_counter()
             if waited:
                 self.scheduler.chunks.observe(sum(n for _, n in plan), now - t0)
-            if lone is not None and self.gate is not None and plan == [(lone, 1)]:
-                self.gate.plain(now - t0)  # what a plain step costs, for the drafting gate
+            self._time_plain(plan, now - t0 if waited else None, now)
             for j, (r, n) in enumerate(plan):
                 self.kv.publish_sealed(r, r.cached - n)
-                if not r.left:
+                if not r.left and greedy is not None:
                     self._take(r, self.runner.pick(r, logits[j], greedy[j]), now)
-            self._ahead = nxt
+            self._wait = self._drafter_waits(plan)
+            if self.scheduler.idle():
+                self.runner.enter("idle")
             return sum(n for _, n in plan)
 
     def _queued_pass(self) -> Optional[tuple]:
@@ -150,16 +167,49 @@ class Engine:
         return plan, logits, greedy
 
     def _queue_next(self, plan: List[tuple], greedy) -> Optional[tuple]:
-        """Queue the next decode-only pass on this pass's argmax when the scheduler allows it, no lone request
-        drafts instead, and the CPU kernel does not serve it (it computes while built: nothing to overlap).
-        A row that stops at this token had one token too many fed; its sequence is released (pages hold
-        only what `cached` says)."""
-        if self.drafter is not None and len(plan) == 1:
+        """Queue the next decode-only pass on this pass's argmax when the scheduler allows it, no drafter is
+        about to propose for a lone request, and the CPU kernel does not serve it (it computes while built:
+        nothing to overlap). A row that stops at this token had one token too many fed: pages hold only
+        what `cached` says (and a caller-owned cache keeps it: it is the turn's last token)."""
+        if greedy is None or (self.drafter is not None and len(plan) == 1 and (self._wait or not self._cheap)):
             return None
         nxt = self.scheduler.decode_only_next(plan)
         if nxt is None or self.runner.computes_while_built(plan):
             return None
         return self.runner.queue(nxt, greedy)
+
+    def _time_plain(self, plan: List[tuple], seconds: Optional[float], now: float):
+        """What a plain lone decode step costs, for the drafting gate: the step's own time, or for steps
+        queued ahead (overlapped) the time between their tokens."""
+        if self.gate is None or self.drafter is None or len(plan) != 1 or plan[0][1] != 1:
+            self._t_last = None
+            return
+        if seconds is None and self._t_last is not None:
+            seconds = now - self._t_last
+        if seconds is not None:
+            self.gate.plain(seconds)
+        self._t_last = now
+
+    @property
+    def _cheap(self) -> bool:
+        """The drafter proposes without a model pass, so it can be asked after every token."""
+        return bool(getattr(self.drafter, "cheap", False))
+
+    def _drafter_waits(self, plan: List[tuple]) -> bool:
+        """After a lone greedy request's plain step: will the drafter propose after its newest token? Then
+        the next pass is not queued ahead, so the drafts can be verified (a cheap drafter's question costs
+        nothing; an expensive one is asked by the verify pass itself)."""
+        if self.drafter is None or len(plan) != 1 or not self._cheap:
+            return False
+        r = plan[0][0]
+        if r.done or not r.sampling.plain_greedy or len(self.scheduler.running) != 1:
+            return False
+        h = self.drafter.hist
+        if h and len(h) <= len(r.feed) and r.feed[:len(h)] == h:
+            self.drafter.extend(r.feed[len(h):])
+        else:
+            self.drafter.reset(list(r.feed))
+        return (self.gate is None or self.gate.open()) and bool(self.drafter.propose(1))
 
     def _speculate(self, r: Request) -> bool:
         """One draft + verify pass for the lone greedy request r; False: run a plain step instead."""
@@ -188,10 +238,16 @@ class Engine:
         return reason is not None
 
     def _finish(self, r: Request, reason: str, publish: bool = True):
+        if r.given is not None and r.caches is not None:
+            if self._ahead is not None and any(x is r for x, _ in self._ahead[0]):
+                r.computed(1)  # the queued pass already fed its pending token (the argmax it took)
+            # the turn's last tokens go in, so the next turn reuses them (cancelled: the ones it emitted)
+            self.runner.feed(r, r.ending() if reason != "cancelled" else r.emitted())
         self.scheduler.remove(r)
         self.kv.release(r, publish)
         drafted = r.counts["draft_passes"] > 0
         r.close(reason, getattr(self.drafter, "name", "drafter") if drafted else None)
+        r.stats.peak_memory_bytes = self.runner.peak()
 
     # -- reporting ---------------------------------------------------------------------------------
     def used_bytes(self) -> int:

@@ -34,31 +34,37 @@ class KVManager:
                                     f"more than the budget of {self.budget_bytes}")
 
     def attach(self, r) -> int:
-        """Give r fresh caches with the longest indexed prefix of its feed attached; returns that prefix's length."""
+        """Give r its caches: the caller's own as they are (holding r.reused tokens), else fresh ones with
+        the longest indexed prefix of its feed attached. Returns how many tokens they hold."""
+        self.attached.append(r)
+        if r.given is not None:
+            r.caches = r.given
+            return r.reused
         r.caches = self.make_cache()
         seq = r.caches[0].seq
         self.pool = seq.pool
-        self.attached.append(r)
         return self.index.extend(seq, r.feed, limit=len(r.feed) - 1) if self.index is not None else 0
 
     def detach(self, r):
-        """Release r's caches without publishing anything (it did not run)."""
-        r.caches[0].seq.release()
+        """Take r's caches back without publishing anything (it did not run); the caller's stay theirs."""
+        if r.given is None:
+            r.caches[0].seq.release()
         r.caches = None
         self.attached.remove(r)
 
     def release(self, r, publish: bool = True):
-        """r is finished: publish what it computed for reuse (unless cancelled), release its sequence."""
+        """r is finished: publish what it computed for reuse (unless cancelled) and release its sequence;
+        caller-owned caches are the caller's to publish and keep."""
         if r in self.attached:
             self.attached.remove(r)
         if not self.attached:
             self.stacks.clear()  # nothing decodes now: give the stacked copies back
-        if r.caches is not None:
+        if r.caches is not None and r.given is None:
             seq = r.caches[0].seq
             if publish and self.index is not None:
                 self.index.publish(seq, r.feed[:r.cached])
             seq.release()
-            r.caches = None
+        r.caches = None
 
     def preempt(self, r):
         """Checkpoint r's sealed pages through the index (and to disk when the index persists), then release
@@ -92,7 +98,9 @@ class KVManager:
     def reserve(self, plan: List[tuple]):
         """Make room in every layer's page table for the rows the plan writes, before the pass."""
         for r, n in plan:
-            r.caches[0].seq.reserve(r.cached + n)
+            seq = getattr(r.caches[0], "seq", None)  # a caller's mlx-lm caches grow by themselves
+            if seq is not None:
+                seq.reserve(r.cached + n)
 
     def batched(self, requests):
         """Switch requests' caches to batched serving (kvexec/cache.py for_batch): no float window, 16-bit open

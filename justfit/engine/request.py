@@ -8,7 +8,7 @@ writes its fields. Iterating it yields Chunks (each miss steps the engine).
 
 import time
 from collections import deque
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ..turns import Chunk, Submitted, TurnStats
 from .sampling import Chooser, Sampling, StopText
@@ -19,18 +19,24 @@ QUEUED, WAITING, RUNNING, DONE = "queued", "waiting", "running", "done"
 class Request(Submitted):
     """One submitted generation: iterate it for Chunks (this drives the engine), `cancel()` to stop it."""
 
-    def __init__(self, engine, rid: int, prompt: List[int], max_tokens: int, sampling: Sampling, tokenizer):
+    def __init__(self, engine, rid: int, prompt: List[int], max_tokens: int, sampling: Sampling, tokenizer,
+                 caches: Optional[list] = None, reused: int = 0, progress: Optional[Callable] = None,
+                 stats: Optional[TurnStats] = None):
         self.engine, self.id, self.prompt = engine, rid, list(prompt)
         self.max_tokens, self.sampling = max_tokens, sampling
         self.feed: List[int] = list(prompt)  # prompt + generated tokens (what the KV must hold, in order)
         self.out: List[int] = []  # generated tokens
         self.caches: Optional[list] = None  # per-layer paged caches while admitted
-        self.cached = 0  # feed[:cached] is in the caches
+        self.given = caches  # caller-owned caches (a session's, a prefix lookup's): attached as is, never released
+        self.reused = reused  # how many prompt tokens `given` already holds
+        self.progress = progress  # progress(done, total) after each prefill chunk
+        self.end: Optional[int] = None  # the end-of-turn id that finished it (never emitted)        self.cached = 0  # feed[:cached] is in the caches
         self.high = 0  # the most tokens the caches ever held (before a preemption)
         self.state, self.finish_reason = QUEUED, None
         self.chunks: deque = deque()
         self.text: List[str] = []
-        self.stats = TurnStats(prompt_tokens=len(prompt))
+        self.stats = stats if stats is not None else TurnStats()  # the caller's own record when given
+        self.stats.prompt_tokens = len(prompt)
         self.submitted = time.perf_counter()
         self.token_times: List[float] = []
         self.preemptions = 0
@@ -40,6 +46,26 @@ class Request(Submitted):
         self.chooser = Chooser(sampling)
         self._detok = tokenizer.detokenizer
         self._stops = StopText(sampling.stop)
+
+    @property
+    def preemptible(self) -> bool:
+        """Its caches are the engine's to release (caller-owned ones never are)."""
+        return self.given is None
+
+    def held(self) -> List[int]:
+        """The generated ids (an end-of-turn id included) the caches hold."""
+        return self.feed[len(self.prompt):self.cached]
+
+    def ending(self) -> List[int]:
+        """Tokens still to feed so the caches hold the whole turn: the last emitted ones and the end-of-turn
+        id; from here on `feed` lists them too."""
+        if self.end is not None and (len(self.feed) == len(self.prompt) + len(self.out)):
+            self.feed.append(self.end)
+        return self.feed[self.cached:]
+
+    def emitted(self) -> List[int]:
+        """Generated tokens emitted but not yet in the caches."""
+        return self.feed[self.cached:] if self.cached >= len(self.prompt) else []
 
     @property
     def decoding(self) -> bool:
@@ -64,6 +90,7 @@ class Request(Submitted):
         self.token_times.append(now)
         self.chooser.advance(tok)
         if tok in eos:
+            self.end = tok
             return "stop"
         self._append(tok)
         if self._stops.hit or self.chooser.done:
@@ -102,6 +129,7 @@ class Request(Submitted):
         s.turn_s = time.perf_counter() - self.submitted
         if len(self.token_times) > 1:
             s.decode_tok_s = (len(self.token_times) - 1) / (self.token_times[-1] - self.token_times[0])
+        s.prefill_tok_s = s.prefilled_tokens / s.prefill_s if s.prefill_s else 0.0
         if drafter is not None:
             s.drafter = drafter
         s.draft_passes, s.drafted_tokens = self.counts["draft_passes"], self.counts["drafted_tokens"]

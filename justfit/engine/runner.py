@@ -5,7 +5,7 @@ probe and the benches time the model and mlx-lm directly; a drafter's own small 
 The Runner executes a plan, [(request, rows)], and decides nothing: the scheduler chose the rows, the core
 takes the tokens. A lone decode row runs mlx-lm's single-sequence call on its own caches (cheaper than the
 batched pass, whose decode attention stacks a padded page run every step); anything else runs the batched
-pass of kvexec/batch.py over the shared page pool. The lone-sequence loop (solo.py) uses the functions.
+pass of kvexec/batch.py over the shared page pool.
 
 Speculative decoding of one greedy sequence: a drafter proposes tokens after the pending one and a single
 pass over the sequence's own pages verifies them; rejected drafts are trimmed, nothing moves. Only plain
@@ -32,7 +32,8 @@ def last_logits(model, cache, ids):
     return model(x[None], cache=cache)[:, -1, :]
 
 
-def _body(model):
+def body_of(model):
+    """The decoder stack without the LM head (mlx-lm models keep it as model.model), or None."""
     inner = getattr(model, "model", None)
     return inner if inner is not None and hasattr(inner, "layers") and hasattr(inner, "norm") else None
 
@@ -60,19 +61,26 @@ def prefill(model, cache, ids: List[int], residency=None, progress: Optional[Cal
     enter = residency.enter if residency is not None else no_phase
     context = (cache[0].offset if cache else 0) + len(ids)
     reload_s = enter("prefill", caches=cache, workspace=prefill_workspace(model, min(step, len(ids)), context))
-    body, done = _body(model), 0
+    body, done = body_of(model), 0
     with mx.stream(generation_stream):
         while done < len(ids):
             n = min(step, len(ids) - done)
-            (body or model)(mx.array(ids[done:done + n])[None], cache=cache)
-            mx.eval([c.state for c in cache])  # this chunk's K/V must exist before the next reads it
-            mx.clear_cache()
+            prefill_chunk(model, cache, ids[done:done + n], body)
             done += n
             if progress is not None:
                 progress(done, len(ids))
             if after_chunk is not None:
                 after_chunk()
     return reload_s
+
+
+def prefill_chunk(model, cache, ids: List[int], body=None):
+    """Write one chunk's K/V through the decoder stack (no LM head) and evaluate it: the next chunk reads it."""
+    import mlx.core as mx
+
+    (body or model)(mx.array(ids)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    mx.clear_cache()
 
 
 def _max_draft(cache, room: int) -> int:
@@ -193,24 +201,76 @@ class Runner:
     def __init__(self, model, kv, residency=None):
         self.model, self.kv, self.residency = model, kv, residency  # kv: the KV manager
 
+    @staticmethod
+    def reset_peak():
+        """Start counting peak memory anew (a turn on an idle engine reports its own peak)."""
+        import mlx.core as mx
+
+        mx.reset_peak_memory()
+
+    @staticmethod
+    def peak() -> int:
+        import mlx.core as mx
+
+        return mx.get_peak_memory()
+
     def enter(self, phase: str, **kwargs) -> float:
         """Enter a PhaseSwap phase (weights back just in time); seconds spent reloading."""
         return self.residency.enter(phase, **kwargs) if self.residency is not None else 0.0
 
     def start(self, plan: List[tuple]) -> tuple:
-        """Build and start one forward pass over `plan`: (plan, logits, argmax), evaluating asynchronously.
-        Rows count as computed from here on; prompt and recomputed rows count as prefilled."""
+        """Build and start one forward pass over `plan`: (plan, logits, argmax), evaluating asynchronously;
+        (plan, None, None) for a lone request's prefill chunk that samples nothing. Rows count as computed
+        from here on; prompt and recomputed rows count as prefilled."""
         import mlx.core as mx
 
+        if len(plan) == 1 and plan[0][1] > 1:
+            return self._lone_prefill(*plan[0])
+        reload_s = self.enter("decode")
+        if len(plan) == 1:
+            plan[0][0].stats.reload_s += reload_s
         ids = [t for r, n in plan for t in r.feed[r.cached:r.cached + n]]
         logits = self.forward(plan, ids)
         for r, n in plan:
-            first_time = max(0, r.cached + n - max(len(r.prompt), r.high, r.cached))  # generated ids fed once
-            r.stats.prefilled_tokens += n - first_time
-            r.computed(n)
+            _computed(r, n)
         greedy = mx.argmax(logits, axis=-1)  # every plain greedy row's token, in the same evaluation
         mx.async_eval(logits, greedy, *[c.state for r, _ in plan if r.left for c in r.caches])
         return plan, logits, greedy
+
+    def _lone_prefill(self, r, n: int) -> tuple:
+        """A chunk of a request running alone, through mlx-lm's own single-sequence call on its caches (its
+        single-sequence KV modes stay): the decoder stack only, unless the chunk ends the prompt (then the
+        LM head too), in the phase PhaseSwap needs for it, with the chunk's workspace."""
+        import mlx.core as mx
+
+        ids = r.feed[r.cached:r.cached + n]
+        context = r.cached + n
+        if r.cached + n < len(r.feed):
+            workspace = prefill_workspace(self.model, n, context)
+            r.stats.reload_s += self.enter("prefill", caches=r.caches, workspace=workspace)
+            prefill_chunk(self.model, r.caches, ids, body_of(self.model))
+            _computed(r, n)
+            if r.progress is not None:
+                start = r.stats.reused_tokens
+                r.progress(r.cached - start, len(r.prompt) - start)
+            return [(r, n)], None, None
+        workspace = prefill_workspace(self.model, n, context, head=True)
+        r.stats.reload_s += self.enter("prefill-last", caches=r.caches, workspace=workspace)
+        logits = last_logits(self.model, r.caches, ids)
+        _computed(r, n)
+        greedy = mx.argmax(logits, axis=-1)
+        mx.eval(logits, greedy)  # the first token exists before the phase changes under it
+        r.stats.reload_s += self.enter("decode", caches=r.caches)
+        return [(r, n)], logits, greedy
+
+    def feed(self, r, ids: List[int]):
+        """Write ids after what r's caches hold (the end of a turn on caller-owned caches: the next turn
+        reuses their K/V); nothing is sampled."""
+        import mlx.core as mx
+
+        if ids:
+            mx.async_eval(last_logits(self.model, r.caches, ids))
+            r.computed(len(ids))
 
     def queue(self, nxt: List[tuple], greedy) -> tuple:
         """Build the next decode-only pass on this pass's argmax before it is read (as mlx-lm's generate loop
@@ -227,9 +287,10 @@ class Runner:
     def computes_while_built(plan: List[tuple]) -> bool:
         """The CPU kernel serves this pass: it evaluates as the pass is built, so queueing the next one
         early would only publish this step's tokens a step late."""
-        from ..kvexec import kernel_serves
+        from ..kvexec import PagedKVCache, kernel_serves
 
-        return kernel_serves([r.caches[0] for r, _ in plan])
+        firsts = [r.caches[0] for r, _ in plan]
+        return all(isinstance(c, PagedKVCache) for c in firsts) and kernel_serves(firsts)
 
     def forward(self, plan: List[tuple], ids):
         """Logits [len(plan), vocab] at each request's last row; ids: a list, or the last step's argmax array."""
@@ -271,3 +332,11 @@ class Runner:
         r.computed(len(out))
         self.kv.publish_sealed(r, start)
         return out, pending
+
+
+def _computed(r, n: int):
+    """n rows of r computed by a pass: prompt rows and recomputed ones count as prefilled (a generated id is
+    fed once, as a decode row)."""
+    first_time = max(0, r.cached + n - max(len(r.prompt), r.high, r.cached))
+    r.stats.prefilled_tokens += n - first_time
+    r.computed(n)

@@ -21,6 +21,18 @@ STEP_TOKENS = 512  # rows of one forward pass: decoders first, prefill chunks fi
 # steps cost much beside their rows gets more (chunks.py). Nobody decoding: all STEP_TOKENS prefill.
 PREFILL_WITH_DECODE = 128
 MAX_BATCH = 64  # sequences running at once
+PREFILL_STEP = 2048  # a lone request's prefill chunk (nobody to stall): the decoder stack only, no LM head
+ONE_PASS = 256  # a lone prompt of at most this many new tokens runs as one pass, LM head included
+
+
+def lone_chunk(left: int, span: int) -> int:
+    """Rows of a lone request's next prefill chunk, `left` of a prefill of `span` new tokens: a short one (a
+    chat turn on a cached history) in one pass, since the LM head over <= ONE_PASS rows costs less than a
+    second pass through every layer; a longer one in PREFILL_STEP chunks of the decoder stack, then its last
+    token alone (the loop of mlx-lm's generate_step)."""
+    if span <= ONE_PASS:
+        return left
+    return min(PREFILL_STEP, left - 1) if left > 1 else 1
 
 
 class Scheduler:
@@ -107,17 +119,20 @@ class Scheduler:
             budget = self.step_tokens - len(plan)
             if plan:
                 budget = min(budget, self.chunks.rows())
+            alone = len(self.running) == 1 and not self.queue
             for r in self.running:
                 if r.left and budget > 0 and not r.decoding:
-                    plan.append((r, min(r.left, budget)))
+                    plan.append((r, lone_chunk(r.left, len(r.prompt) - r.stats.reused_tokens) if alone
+                                 else min(r.left, budget)))
                     budget -= plan[-1][1]
             if not plan:
                 return plan
             need = sum(self.kv.grow_bytes(r.cached, n) for r, n in plan)
-            if self.kv.fits(need) or len(self.running) == 1:
+            victim = next((r for r in reversed(self.running) if r.preemptible), None)
+            if self.kv.fits(need) or len(self.running) == 1 or victim is None:
                 self.kv.reserve(plan)
                 return plan
-            self.preempt(self.running[-1])
+            self.preempt(victim)
 
     def decode_only_next(self, plan: List[tuple]) -> Optional[List[tuple]]:
         """The next step's plan when it can be queued before this step's tokens are read: every running

@@ -123,7 +123,7 @@ def kernel_attention_batch(q, caches, scale: float):
 def kernel_serves(caches) -> bool:
     """True when a decode step over these sequences (one layer cache each) runs the CPU kernel, which evaluates
     its inputs while the step is built: building the next step before reading the pending token then computes
-    it first, so the token would be read a step late for no overlap (engine/solo.py, engine/core.py)."""
+    it first, so the token would be read a step late for no overlap (engine/core.py)."""
     return bool(caches) and all(c.window is None and not c.dense and _kernel_pages(c) is not None for c in caches)
 
 

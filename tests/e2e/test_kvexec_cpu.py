@@ -209,23 +209,23 @@ def test_kernel_served_steps_publish_their_tokens_without_computing_the_next_pas
 
 
 def test_generation_on_the_kernel_yields_each_token_before_feeding_it_and_feeds_it_on_close(runtime16):
-    """A single sequence decoding through the kernel: each token is yielded as soon as it is read, before the
-    step that feeds it (that step computes while it is built, so building it first would show the token a step
-    late); a caller that stops early still leaves every token it saw in the cache."""
-    from justfit.engine.sampling import Sampling
-    from justfit.engine.solo import token_steps
+    """A lone request on caller-owned caches decoding through the kernel: each token is emitted as soon as it is
+    read, before the step that feeds it (that step computes while it is built, so building it first would show
+    the token a step late); a caller that stops early still leaves every token it saw in the cache."""
+    from justfit.engine import Engine
 
     model, L = runtime16.model, len(runtime16.model.layers)
     ids = [int(i) for i in np.random.default_rng(13).integers(100, 40000, 800)]  # a 4-bit page past the float one
     for stop_after in (5, None):
         cache, before, calls = make_cache(model, KVConfig()), cpu.CALLS["decode"], []
-        steps = token_steps(model, ids, cache, Sampling(), 8)
+        eng = Engine(model, runtime16.tokenizer, lambda: make_cache(model, KVConfig()), eos=set())
+        req = eng.submit(ids, 8, caches=cache)
         out = []
-        for tok in steps:
-            out.append(tok)
+        for chunk in req:
+            out.append(chunk.token)
             calls.append(cpu.CALLS["decode"] - before)
             if len(out) == stop_after:
-                steps.close()
+                req.cancel()
                 break
         assert calls == [(k + 1) * L for k in range(len(out))]  # the passes that computed tokens 0..k, no more
         assert cache[0].offset == len(ids) + len(out) == len(ids) + (stop_after or 8)

@@ -60,15 +60,12 @@ def test_overlapped_decode_equals_stepwise_and_feeds_every_token(runtime16, prom
     """Plain decoding builds each step on the pending token before reading it; a logits processor makes every
     step wait for its token instead. Both give the same ids, ending at end-of-turn or at max_tokens, and
     leave every yielded id (end-of-turn included) in the cache, as the next turn expects."""
-    from justfit.engine.sampling import Sampling
-    from justfit.engine.solo import token_steps
-
     ids, eos = runtime16.encode(prompt), set(runtime16.tokenizer.eos_token_ids)
     runs = []
     for processors in ((), (lambda seen, logits: logits,)):
-        cache = runtime16.make_cache()
-        out = list(token_steps(runtime16.model, ids, cache, Sampling(logits_processors=processors), max_tokens, eos))
-        runs.append((out, cache[0].offset))
+        cache, fed = runtime16.make_cache(), []
+        list(runtime16.stream_tokens(ids, cache, max_tokens, logits_processors=processors, fed=fed))
+        runs.append((fed, cache[0].offset))
     (overlapped, fed), (stepwise, fed_stepwise) = runs
     assert overlapped == stepwise
     assert fed == fed_stepwise == len(ids) + len(overlapped)

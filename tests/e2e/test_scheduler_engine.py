@@ -105,7 +105,7 @@ def test_preemption_under_a_tiny_budget_gives_the_same_tokens(rt):
     free = _engine(rt)
     ref = free.run([free.submit(p, max_tokens=32) for p in prompts])
     # room for two prompts plus one page: both grow by a page or more while decoding, so one is preempted
-    budget = 2 * free.kv_bytes.seq(max(map(len, prompts))) + free.kv_bytes.open
+    budget = 2 * free.kv.kv_bytes.seq(max(map(len, prompts))) + free.kv.kv_bytes.open
     eng = _engine(rt, budget_bytes=budget)
     reqs = [eng.submit(p, max_tokens=32) for p in prompts]
     gens = eng.run(reqs)
@@ -168,15 +168,17 @@ def test_common_prefix_counts_at_most_limit_items():
     assert common_prefix([1, 2], [1, 2, 3], limit=5) == 2 and common_prefix([1], [1], limit=0) == 0
 
 
-def test_a_lone_decoder_runs_the_single_sequence_call(rt, monkeypatch):
-    import justfit.kvexec.batch as batch
+def test_a_lone_request_runs_the_single_sequence_call(rt, monkeypatch):
+    """Alone, a request keeps the single-sequence path: its prefill chunks and decode steps run mlx-lm's own
+    call on its caches, never the batched pass (and give the tokens of a run by itself)."""
+    import justfit.engine.runner as runner
 
-    batched, rows = batch.forward, []
-    monkeypatch.setattr(batch, "forward", lambda model, plan, ids: rows.append(plan.rows) or batched(model, plan, ids))
+    batched, rows = runner.batched_logits, []
+    monkeypatch.setattr(runner, "batched_logits", lambda model, plan, ids: rows.append(plan.rows) or batched(model, plan, ids))
     ids = rt.encode(_unique("Name three colors."))
     r = _engine(rt).submit(ids, max_tokens=6)
     assert r.result().tokens == greedy_alone(rt, ids, 6)
-    assert len(rows) == 1 and rows[0] > 1  # only the prefill went through the batched pass, no decode step
+    assert rows == []
 
 
 def test_a_lone_request_keeps_single_sequence_mode_until_another_joins(rt, monkeypatch):
@@ -236,10 +238,10 @@ def test_stacked_pages_count_in_the_budget(rt):
         return [r.result().tokens for r in reqs], kept
 
     free = _engine(rt)
-    pages = sum(free.kv_bytes.worst(len(p) + 6) for p in prompts) + len(prompts) * free.kv_bytes.open
+    pages = sum(free.kv.kv_bytes.worst(len(p) + 6) for p in prompts) + len(prompts) * free.kv.kv_bytes.open
     tight = _engine(rt, budget_bytes=rt.index.pool.nbytes + pages)  # the pages fit, their stacks do not
     got, kept = run(tight)
-    assert kept == 0 and tight.preempted == 0
+    assert kept == 0 and tight.scheduler.preempted == 0
     ref, kept = run(free)  # (attaches the pages the tight run cached: same tokens either way)
     assert kept > 0 and got == ref  # three decoders with sealed pages: without a budget stacks are kept
 
@@ -338,7 +340,7 @@ def test_decode_steps_are_queued_ahead_and_a_cancel_in_between_is_exact(rt):
 
 def test_prefill_next_to_decoders_grows_only_from_measured_steps(rt):
     fixed = _engine(rt, step_tokens=128, prefill_with_decode=8)
-    assert fixed.chunks.rows() == 8 and not fixed.chunks.adaptive  # a cap given is a cap kept
+    assert fixed.scheduler.chunks.rows() == 8 and not fixed.scheduler.chunks.adaptive  # a cap given is a cap kept
     eng = _engine(rt, step_tokens=128)
     assert eng.scheduler.chunks.adaptive and eng.scheduler.chunks.rows() == eng.scheduler.chunks.floor  # nothing measured yet
     reqs = [eng.submit(rt.encode(_unique(f"Prompt {i}: name a planet.")), max_tokens=4) for i in range(3)]

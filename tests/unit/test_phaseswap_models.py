@@ -12,8 +12,7 @@ from justfit.kvexec import make_cache
 from justfit.config import KVConfig
 from justfit.phaseswap import Budget, Residency
 from justfit.phaseswap.components import model_components, tied_embeddings
-from justfit.engine.sampling import Sampling
-from justfit.engine.solo import token_steps
+from justfit.engine import Engine
 from justfit.phaseswap.drafting import DraftModel, Gate, PromptLookup
 
 
@@ -80,15 +79,40 @@ def test_components_split_and_reload_bit_identical(tmp_path, tied, spill):
     assert mx.array_equal(m(x), ref).item()
 
 
+class IdTokenizer:
+    """Text of a token id is its number: enough for an engine over a tiny random model."""
+
+    class Detokenizer:
+        def __init__(self):
+            self.last_segment = ""
+
+        def reset(self):
+            self.last_segment = ""
+
+        def add_token(self, t):
+            self.last_segment = f"{t} "
+
+        def finalize(self):
+            self.last_segment = ""
+
+    @property
+    def detokenizer(self):
+        return self.Detokenizer()
+
+
 def run(model, prompt, max_tokens, drafter=None, kv=None, counts=None, gate=None):
+    """Greedy tokens of one turn through the engine core, on caches the caller owns."""
     cache = make_cache(model, kv) if kv else model.make_cache() if hasattr(model, "make_cache") else None
     if cache is None:
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(model)
-    toks = list(token_steps(model, prompt, cache, Sampling(), max_tokens, drafter=drafter, gate=gate,
-                            counts=counts))
-    assert cache[0].offset == len(prompt) + len(toks)  # cache = prompt + every yielded token
+    eng = Engine(model, IdTokenizer(), lambda: None, eos=set(), drafter=drafter, gate=gate)
+    req = eng.submit(prompt, max_tokens, caches=cache)
+    toks = [c.token for c in req if c.token >= 0]
+    if counts is not None:
+        counts.update(req.counts)
+    assert cache[0].offset == len(prompt) + len(toks)  # cache = prompt + every emitted token
     return toks
 
 
