@@ -3,7 +3,7 @@ policy (who is admitted, what each request computes in a step, who is preempted)
 
 from justfit.engine.request import QUEUED, RUNNING, WAITING, Request
 from justfit.engine.sampling import Sampling
-from justfit.engine.scheduler import PREFILL_WITH_DECODE, STEP_TOKENS, Scheduler
+from justfit.engine.scheduler import PREFILL_STEP, PREFILL_WITH_DECODE, Scheduler
 
 
 class FakeDetok:
@@ -77,12 +77,12 @@ def decoding(r):
     return r
 
 
-def test_a_lone_prompt_prefills_a_whole_step_and_decoders_go_first_beside_a_capped_chunk():
+def test_a_lone_prompt_prefills_in_long_chunks_and_decoders_go_first_beside_a_capped_chunk():
     s = Scheduler(FakeKV())
     long = request(1, 2000)
     s.add(long)
     s.admit()
-    assert s.schedule() == [(long, STEP_TOKENS)]  # nobody decodes: the whole step prefills
+    assert s.schedule() == [(long, min(PREFILL_STEP, 1999))]  # alone: a decoder-stack chunk, its last token apart
     dec = decoding(request(2, 10))
     s.running.insert(0, dec)
     plan = s.schedule()
