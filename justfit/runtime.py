@@ -171,7 +171,8 @@ class Runtime:
         req = self.batch_engine().submit(tokens, max_tokens, caches=cache, reused=reused, progress=progress,
                                          stats=stats, sampling=sampling)
         try:
-            yield from req
+            for chunk in req:  # (not `yield from`: closing this turn must not close the request's text)
+                yield chunk
         finally:
             if not req.done:
                 req.cancel()  # the caller stopped early: what was computed stays in the cache
