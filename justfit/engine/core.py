@@ -19,7 +19,7 @@ from ..models.vocab import check_token_ids, vocab_size
 from ..turns import Chunk, Generation, TurnStats
 from .kv import KVManager
 from .request import DONE, RUNNING, Request
-from .runner import Runner
+from .runner import Runner, follow
 from .sampling import Sampling
 from .scheduler import MAX_BATCH, STEP_TOKENS, Scheduler
 
@@ -204,11 +204,7 @@ class Engine:
         r = plan[0][0]
         if r.done or not r.sampling.plain_greedy or len(self.scheduler.running) != 1:
             return False
-        h = self.drafter.hist
-        if h and len(h) <= len(r.feed) and r.feed[:len(h)] == h:
-            self.drafter.extend(r.feed[len(h):])
-        else:
-            self.drafter.reset(list(r.feed))
+        follow(self.drafter, r.feed)
         return (self.gate is None or self.gate.open()) and bool(self.drafter.propose(1))
 
     def _speculate(self, r: Request) -> bool:

@@ -195,6 +195,16 @@ def _sampled_hidden(inner, plan, inputs, rows):
     return inner.norm(layers[-1](h[rows], None, plan.sampled().layers[-1]))
 
 
+def follow(drafter, feed: List[int]):
+    """Bring the drafter's history up to `feed`: extend it when it is a prefix of feed, else start anew
+    (another request drafted last)."""
+    h = drafter.hist
+    if h and len(h) <= len(feed) and feed[:len(h)] == h:
+        drafter.extend(feed[len(h):])
+    else:
+        drafter.reset(list(feed))
+
+
 class Runner:
     """The model and how to run it over requests' caches."""
 
@@ -319,11 +329,7 @@ class Runner:
         room = r.max_tokens - len(r.out)
         if room < 1 or not self.kv.fits(self.kv.grow_bytes(r.cached, min(room, 8) + 1)):
             return None
-        h = drafter.hist
-        if h and len(h) <= len(r.feed) and r.feed[:len(h)] == h:
-            drafter.extend(r.feed[len(h):])
-        else:
-            drafter.reset(list(r.feed))
+        follow(drafter, r.feed)
         res = speculate(self.model, r.caches, r.feed[-1], drafter, gate, room, eos, r.counts, self.enter)
         if res is None:
             return None
