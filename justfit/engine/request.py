@@ -30,7 +30,8 @@ class Request(Submitted):
         self.given = caches  # caller-owned caches (a session's, a prefix lookup's): attached as is, never released
         self.reused = reused  # how many prompt tokens `given` already holds
         self.progress = progress  # progress(done, total) after each prefill chunk
-        self.end: Optional[int] = None  # the end-of-turn id that finished it (never emitted)        self.cached = 0  # feed[:cached] is in the caches
+        self.end: Optional[int] = None  # the end-of-turn id that finished it (never emitted)
+        self.cached = 0  # feed[:cached] is in the caches
         self.high = 0  # the most tokens the caches ever held (before a preemption)
         self.state, self.finish_reason = QUEUED, None
         self.chunks: deque = deque()
