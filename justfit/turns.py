@@ -73,6 +73,7 @@ class Submitted:
             if self.chunks:
                 return self.chunks.popleft()
             if self.done:
+                self.engine.settle()  # the caller has read every chunk: the turn's last tokens go in now
                 raise StopIteration
             self.engine.step()
 

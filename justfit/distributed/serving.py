@@ -252,6 +252,9 @@ class SerialEngine:
         self.current._advance()
         return 1
 
+    def settle(self):
+        """Nothing to feed after a turn: every rank's caches are the group's own."""
+
     def cancel(self, r: SerialRequest):
         if r in self.queue:
             self.queue.remove(r)

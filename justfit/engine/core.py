@@ -50,6 +50,7 @@ class Engine:
         self._ahead: Optional[tuple] = None  # (plan, logits, argmax) of the next step, queued early
         self._wait = False  # a lone request's drafter will propose: the next pass is not queued early
         self._t_last: Optional[float] = None  # when the last overlapped lone step's token was taken
+        self._tails: List[tuple] = []  # (caller-owned caches, ids): a finished turn's last tokens still to feed
 
     @property
     def budget_bytes(self) -> Optional[int]:
@@ -83,6 +84,7 @@ class Engine:
         req = Request(self, next(self._ids), tokens, max_tokens, sampling, self.tokenizer, caches, reused, progress,
                       stats)
         with self.lock:
+            self.settle()
             if self.scheduler.idle():
                 self.runner.reset_peak()
             self.scheduler.add(req)
@@ -97,6 +99,14 @@ class Engine:
         """Drafter (and its gate) for the lone-request speculative mode; None turns it off."""
         with self.lock:
             self.drafter, self.gate = drafter, gate
+
+    def settle(self):
+        """Feed finished turns' last tokens into their caller-owned caches (done once their callers have read
+        the last chunk, before the next step or submission, so those caches hold whole turns again)."""
+        with self.lock:
+            tails, self._tails = self._tails, []
+            for caches, ids in tails:
+                self.runner.feed(caches, ids)
 
     def executor(self):
         """The single worker thread async callers step the engine on (all of their MLX work on one thread)."""
@@ -119,6 +129,7 @@ class Engine:
     def step(self) -> int:
         """Plan, run one forward pass (or a verify), take the tokens. Returns rows computed."""
         with self.lock:
+            self.settle()
             lone, t0, waited = None, time.perf_counter(), False
             current = self._queued_pass()
             if current is None:
@@ -237,8 +248,13 @@ class Engine:
         if r.given is not None and r.caches is not None:
             if self._ahead is not None and any(x is r for x, _ in self._ahead[0]):
                 r.computed(1)  # the queued pass already fed its pending token (the argmax it took)
-            # the turn's last tokens go in, so the next turn reuses them (cancelled: the ones it emitted)
-            self.runner.feed(r, r.ending() if reason != "cancelled" else r.emitted())
+            # the turn's last tokens go in, so the next turn reuses them (cancelled: the ones it emitted);
+            # after the caller has read the last token, so feeding them never delays it
+            ids = r.ending() if reason != "cancelled" else r.emitted()
+            r.computed(len(ids))
+            self._tails.append((r.caches, ids))
+            if reason == "cancelled":
+                self.settle()
         self.scheduler.remove(r)
         self.kv.release(r, publish)
         drafted = r.counts["draft_passes"] > 0

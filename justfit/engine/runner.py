@@ -273,14 +273,13 @@ class Runner:
         r.stats.reload_s += self.enter("decode", caches=r.caches)
         return [(r, n)], logits, greedy
 
-    def feed(self, r, ids: List[int]):
-        """Write ids after what r's caches hold (the end of a turn on caller-owned caches: the next turn
-        reuses their K/V); nothing is sampled."""
+    def feed(self, caches: list, ids: List[int]):
+        """Write ids after what caches hold (the end of a turn on caller-owned caches: the next turn reuses
+        their K/V); nothing is sampled."""
         import mlx.core as mx
 
         if ids:
-            mx.async_eval(last_logits(self.model, r.caches, ids))
-            r.computed(len(ids))
+            mx.async_eval(last_logits(self.model, caches, ids))
 
     def queue(self, nxt: List[tuple], greedy) -> tuple:
         """Build the next decode-only pass on this pass's argmax before it is read (as mlx-lm's generate loop
