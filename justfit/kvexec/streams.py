@@ -41,8 +41,8 @@ def on(i: int):
     """Context in which part i's ops run: the default stream for part 0, a stream of its own for the rest."""
     if i == 0:
         return contextlib.nullcontext()
-    if i not in _streams:
-        _streams[i] = mx.new_stream(mx.cpu)
+    if i not in _streams:  # one per thread where MLX's streams belong to the thread that made them
+        _streams[i] = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.cpu)
     return mx.stream(_streams[i])
 
 

@@ -244,3 +244,31 @@ def test_lazy_workspace_is_flat_in_context(monkeypatch):
     the number of runs (without the chain all score blocks of a block are alive together: 4x more here)."""
     small, large = _lazy_peak(2048, monkeypatch), _lazy_peak(8192, monkeypatch)
     assert large < 1.5 * small + (1 << 20), (small, large)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="keys are split across streams on the CPU backend only")
+def test_split_attention_runs_on_a_thread_other_than_the_one_that_made_its_streams(monkeypatch):
+    """The server steps the engine on its worker thread while the first split may have happened on another
+    (a warm-up, a test): the part streams must work on every thread (MLX streams can belong to one thread)."""
+    import threading
+
+    kv = KVConfig(float_pages=0, page_size=32, quantized_kv_start=32, bits=4)
+    cache, rng = _cache(kv), np.random.default_rng(5)
+    cache.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, 200, 64)).astype(np.float32)) for _ in "kv"))
+    monkeypatch.setattr(streams, "SPLIT_ELEMENTS", 1)
+    monkeypatch.setattr(decode, "applies", lambda *a: False)
+    monkeypatch.setattr(streams, "MAX_PARTS", 3)
+    q = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32))
+    _check(cache, q)
+    errors = []
+
+    def other():
+        try:
+            _check(cache, q)
+        except Exception as e:  # noqa: BLE001 - reported to the main thread
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert not errors, errors
