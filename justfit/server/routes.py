@@ -1,10 +1,8 @@
 """The routes: validate (pydantic + prompts.py), submit to the worker, answer or stream (SSE)."""
 
-import asyncio
 import json
 import time
 import uuid
-from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
@@ -12,6 +10,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from . import prompts
 from .deltas import Reply
 from .errors import APIError, envelope
+from .flow import cancel_on_disconnect, run_job
 from .schema import (ChatCompletion, ChatCompletionChunk, ChatRequest, Choice, ChunkChoice, Completion,
                      CompletionRequest, Delta, Model, ModelList, OutMessage, PromptDetails, TextChoice, ToolCall,
                      ToolCallDelta, Usage)
@@ -53,23 +52,6 @@ async def get_model(model_id: str, request: Request):
     return Model(id=srv.model_id, created=int(srv.started))
 
 
-async def _run(job, reply: Reply, request: Request):
-    """Parts of one reply as they come: ('part', (kind, text))..., then ('done', (call, stats))."""
-    srv = _srv(request)
-    async for kind, value in job.events():
-        if kind == "chunk":
-            for part in reply.add(value.text):
-                yield "part", part
-        elif kind == "error":
-            raise value if isinstance(value, APIError) else APIError(500, f"generation failed: {value}")
-        else:
-            parts, call = reply.finish()
-            for part in parts:
-                yield "part", part
-            srv.account(request, job, value)
-            yield "done", (call, value)
-
-
 def _usage(jobs, stats) -> Usage:
     prompt = sum(len(j.prompt) for j in jobs)
     completion = sum(s.get("generated_tokens", 0) for s in stats)
@@ -94,9 +76,9 @@ async def chat_completions(req: ChatRequest, request: Request):
     if req.stream:
         return await _sse(_chat_chunks(req, rid, jobs, replies, request), jobs)
     choices, stats = [], []
-    async with _cancel_on_disconnect(request, jobs):
+    async with cancel_on_disconnect(request, jobs):
         for i, (job, reply) in enumerate(zip(jobs, replies)):
-            async for kind, value in _run(job, reply, request):
+            async for kind, value in run_job(job, reply, request):
                 if kind == "done":
                     call, st = value
                     stats.append(st)
@@ -115,7 +97,7 @@ async def _chat_chunks(req: ChatRequest, rid: str, jobs, replies, request: Reque
     stats = []
     for i, (job, reply) in enumerate(zip(jobs, replies)):
         yield chunk(i, Delta(role="assistant", content=""))
-        async for kind, value in _run(job, reply, request):
+        async for kind, value in run_job(job, reply, request):
             if kind == "done":
                 call, st = value
                 stats.append(st)
@@ -147,10 +129,10 @@ async def completions(req: CompletionRequest, request: Request):
     if req.stream:
         return await _sse(_text_chunks(req, rid, jobs, head, request), jobs)
     choices, stats = [], []
-    async with _cancel_on_disconnect(request, jobs):
+    async with cancel_on_disconnect(request, jobs):
         for i, job in enumerate(jobs):
             reply = Reply()
-            async for kind, value in _run(job, reply, request):
+            async for kind, value in run_job(job, reply, request):
                 if kind == "done":
                     stats.append(value[1])
                     choices.append(TextChoice(index=i, text=head + reply.text, finish_reason=_finish(None, value[1])))
@@ -163,7 +145,7 @@ async def _text_chunks(req: CompletionRequest, rid: str, jobs, head: str, reques
     for i, job in enumerate(jobs):
         if head:
             yield Completion(id=rid, model=srv.model_id, choices=[TextChoice(index=i, text=head, finish_reason=None)])
-        async for kind, value in _run(job, Reply(), request):
+        async for kind, value in run_job(job, Reply(), request):
             if kind == "done":
                 stats.append(value[1])
                 yield Completion(id=rid, model=srv.model_id,
@@ -172,23 +154,6 @@ async def _text_chunks(req: CompletionRequest, rid: str, jobs, head: str, reques
                 yield Completion(id=rid, model=srv.model_id, choices=[TextChoice(index=i, text=value[1], finish_reason=None)])
     if req.stream_options and req.stream_options.include_usage:
         yield Completion(id=rid, model=srv.model_id, choices=[], usage=_usage(jobs, stats))
-
-
-@asynccontextmanager
-async def _cancel_on_disconnect(request: Request, jobs):
-    """While a non-streamed reply is generated, watch the connection: a client that goes away cancels
-    its jobs (their engine requests stop and free their pages at the next step)."""
-    async def watch():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        for j in jobs:
-            j.cancelled.set()
-
-    task = asyncio.create_task(watch())
-    try:
-        yield
-    finally:
-        task.cancel()
 
 
 async def _sse(chunks, jobs):
