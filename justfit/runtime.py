@@ -160,7 +160,11 @@ class Runtime:
         self.last_stats = stats
         return Turn(self._turn(tokens, cache, max_tokens, reused_tokens, sampling, stats, progress, fed), stats)
 
-    def _turn(self, tokens, cache, max_tokens, reused, sampling, stats, progress, fed) -> Iterator[Chunk]:
+    def submit_turn(self, tokens: List[int], cache: list, max_tokens: int, reused_tokens: int, sampling: Sampling,
+                    stats: TurnStats, progress: Optional[Callable] = None, on_done: Optional[Callable] = None):
+        """Queue a turn on caller-owned caches holding tokens[:reused_tokens] (a session's, a prefix lookup's)
+        as a request of the engine core; on_done(request) runs once it is finished and the caches hold the
+        whole turn. Iterate the returned Request for Chunks (that steps the engine), or step it with others."""
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
         if not tokens:
@@ -168,8 +172,11 @@ class Runtime:
         if self.steering is not None:  # a decode-budget policy (regime steering) reserves, the caller still limits
             reserved, note = self.steering(len(tokens), max_tokens)
             stats.requested_max_tokens, stats.reserved_max_tokens, stats.steer_note = max_tokens, reserved, note
-        req = self.batch_engine().submit(tokens, max_tokens, caches=cache, reused=reused, progress=progress,
-                                         stats=stats, sampling=sampling)
+        return self.batch_engine().submit(tokens, max_tokens, caches=cache, reused=reused_tokens, progress=progress,
+                                          stats=stats, sampling=sampling, on_done=on_done)
+
+    def _turn(self, tokens, cache, max_tokens, reused, sampling, stats, progress, fed) -> Iterator[Chunk]:
+        req = self.submit_turn(tokens, cache, max_tokens, reused, sampling, stats, progress)
         try:
             for chunk in req:  # (not `yield from`: closing this turn must not close the request's text)
                 yield chunk

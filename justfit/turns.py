@@ -74,6 +74,10 @@ class Submitted:
                 return self.chunks.popleft()
             if self.done:
                 self.engine.settle()  # the caller has read every chunk: the turn's last tokens go in now
+                failure = getattr(self, "failure", None)
+                if failure is not None:  # the caller's own on_done failed (a session could not record the turn)
+                    self.failure = None
+                    raise failure
                 raise StopIteration
             self.engine.step()
 

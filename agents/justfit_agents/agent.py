@@ -313,7 +313,7 @@ def _run_together(loops) -> List[Result]:
                 next(iter(next(r for r in requests.values() if not r.done)), None)  # one engine step or more
             for i, req in list(requests.items()):
                 if req.done:
-                    replies[i] = loops[i][0].state.finish(req)
+                    replies[i] = loops[i][0].state.reply(req)
                     del requests[i]
     finally:
         for req in requests.values():  # an error in one sub-agent: the others' turns stop, pages freed

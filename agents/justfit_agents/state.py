@@ -18,6 +18,7 @@ class AgentState:
         self.pending: List[int] = []  # rendered tokens not yet in the session's history
         self.text = runtime.tokenizer.decode(self.session.tokens) if self.session.tokens else ""
         self.stats = None
+        self._reply_from = 0  # where the reply of the submitted turn starts in the history
 
     @property
     def tokens(self) -> List[int]:
@@ -56,18 +57,18 @@ class AgentState:
 
     def submit(self, max_tokens: int, eos: set, temperature: float = 0.0, top_p: float = 1.0,
                constraint=None, seed: Optional[int] = None):
-        """Queue the reply on the runtime's batching engine (rt.submit) instead of decoding it now; the
-        history's pages come back from the prefix index. Hand the finished request to finish()."""
-        self.session.append(self._take_pending())
-        return self.rt.submit(self.session.tokens, max_tokens, temperature=temperature, top_p=top_p,
-                              constraint=constraint, seed=seed)
+        """Queue the reply as the session's next turn on the runtime's engine core instead of decoding it
+        now (Session.submit: on the session's own caches, recorded by the session when it finishes); several
+        agents' requests then run in one batch. Read the finished request with reply()."""
+        delta = self._take_pending()
+        self._reply_from = len(self.session.tokens) + len(delta)
+        return self.session.submit(delta, max_tokens, temperature, seed, top_p, constraint=constraint)
 
-    def finish(self, request):
-        """(generated ids, TurnStats) of a finished submit(); the reply joins the history."""
+    def reply(self, request):
+        """(generated ids, TurnStats) of a finished submit() (the session already holds the turn)."""
         g = request.result()
-        self.session.append(g.tokens)
         self.stats = g.stats
-        self.text += self.rt.tokenizer.decode(g.tokens)
+        self.text += self.rt.tokenizer.decode(self.session.tokens[self._reply_from:])
         return list(g.tokens), g.stats
 
     def _take_pending(self) -> List[int]:

@@ -50,7 +50,7 @@ class Engine:
         self._ahead: Optional[tuple] = None  # (plan, logits, argmax) of the next step, queued early
         self._wait = False  # a lone request's drafter will propose: the next pass is not queued early
         self._t_last: Optional[float] = None  # when the last overlapped lone step's token was taken
-        self._tails: List[tuple] = []  # (caller-owned caches, ids): a finished turn's last tokens still to feed
+        self._tails: List[tuple] = []  # (request, its caller-owned caches, ids): last tokens still to feed
 
     @property
     def budget_bytes(self) -> Optional[int]:
@@ -59,14 +59,15 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------------
     def submit(self, tokens: List[int], max_tokens: int = 256, caches: Optional[list] = None, reused: int = 0,
                progress: Optional[Callable] = None, stats: Optional[TurnStats] = None,
-               sampling: Optional[Sampling] = None, **options) -> Request:
+               sampling: Optional[Sampling] = None, on_done: Optional[Callable] = None, **options) -> Request:
         """Queue a request; bad requests raise UserError here and never touch the running batch.
 
         caches: the caller's own per-layer caches already holding tokens[:reused] (a session's history, a
         prefix lookup's): the turn runs on them and leaves them holding the whole turn, end-of-turn id
         included, so the next turn reuses every token. Otherwise the engine makes caches, attaches the
         longest cached prefix and publishes the pages when done. progress(done, total) after each prefill
-        chunk; stats: the caller's TurnStats to fill; sampling: a Sampling, or its fields as options."""
+        chunk; stats: the caller's TurnStats to fill; sampling: a Sampling, or its fields as options;
+        on_done(request): called once it is finished and `caches` hold the turn (a session records it)."""
         tokens = list(tokens)
         if not tokens:
             raise UserError("the prompt is empty: give at least one token")
@@ -82,7 +83,7 @@ class Engine:
             raise ValueError("reused tokens must leave at least one token to prefill")
         sampling = sampling if sampling is not None else Sampling(**options)
         req = Request(self, next(self._ids), tokens, max_tokens, sampling, self.tokenizer, caches, reused, progress,
-                      stats)
+                      stats, on_done)
         with self.lock:
             self.settle()
             if self.scheduler.idle():
@@ -102,11 +103,13 @@ class Engine:
 
     def settle(self):
         """Feed finished turns' last tokens into their caller-owned caches (done once their callers have read
-        the last chunk, before the next step or submission, so those caches hold whole turns again)."""
+        the last chunk, before the next step or submission, so those caches hold whole turns again); then
+        each request's on_done."""
         with self.lock:
             tails, self._tails = self._tails, []
-            for caches, ids in tails:
+            for r, caches, ids in tails:
                 self.runner.feed(caches, ids)
+                r.settled()
 
     def executor(self):
         """The single worker thread async callers step the engine on (all of their MLX work on one thread)."""
@@ -252,14 +255,16 @@ class Engine:
             # after the caller has read the last token, so feeding them never delays it
             ids = r.ending() if reason != "cancelled" else r.emitted()
             r.computed(len(ids))
-            self._tails.append((r.caches, ids))
-            if reason == "cancelled":
-                self.settle()
+            self._tails.append((r, r.caches, ids))
         self.scheduler.remove(r)
         self.kv.release(r, publish)
         drafted = r.counts["draft_passes"] > 0
         r.close(reason, getattr(self.drafter, "name", "drafter") if drafted else None)
         r.stats.peak_memory_bytes = self.runner.peak()
+        if r.given is None:
+            r.settled()
+        elif reason == "cancelled":
+            self.settle()
 
     # -- reporting ---------------------------------------------------------------------------------
     def used_bytes(self) -> int:

@@ -21,7 +21,7 @@ class Request(Submitted):
 
     def __init__(self, engine, rid: int, prompt: List[int], max_tokens: int, sampling: Sampling, tokenizer,
                  caches: Optional[list] = None, reused: int = 0, progress: Optional[Callable] = None,
-                 stats: Optional[TurnStats] = None):
+                 stats: Optional[TurnStats] = None, on_done: Optional[Callable] = None):
         self.engine, self.id, self.prompt = engine, rid, list(prompt)
         self.max_tokens, self.sampling = max_tokens, sampling
         self.feed: List[int] = list(prompt)  # prompt + generated tokens (what the KV must hold, in order)
@@ -30,6 +30,8 @@ class Request(Submitted):
         self.given = caches  # caller-owned caches (a session's, a prefix lookup's): attached as is, never released
         self.reused = reused  # how many prompt tokens `given` already holds
         self.progress = progress  # progress(done, total) after each prefill chunk
+        self.on_done = on_done  # on_done(request) once finished and its caches hold the turn (a session's end)
+        self.failure: Optional[BaseException] = None  # what on_done raised, for the caller
         self.end: Optional[int] = None  # the end-of-turn id that finished it (never emitted)
         self.cached = 0  # feed[:cached] is in the caches
         self.high = 0  # the most tokens the caches ever held (before a preemption)
@@ -117,6 +119,15 @@ class Request(Submitted):
         if text or token >= 0:
             self.text.append(text)
             self.chunks.append(Chunk(text, token))
+
+    def settled(self):
+        """Finished, and the caches hold the whole turn: run the caller's on_done; what it raises is kept
+        for the caller (raised where it iterates), never into another request's step."""
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception as e:  # noqa: BLE001 - reported to this request's caller
+                self.failure = e
 
     def close(self, reason: str, drafter: Optional[str] = None):
         """Finish: flush the text the detokenizer and stop strings held back, fill the closing stats."""

@@ -4,11 +4,11 @@ The thread owns the continuous-batching engine (`rt.batch_engine()`, justfit/eng
 iteration it takes the jobs that arrived, submits them to the engine, runs one `engine.step()` (one
 batched forward pass over every running request) and forwards each request's new chunks to its job's
 asyncio queue. Every request runs on the engine, grammars and penalties included. A persisted session
-(`prompt_cache_key` with `prompt_cache_retention: "24h"`, `--persist`, or a session saved before) is
-opened before its request is submitted (its pages join the prefix index, so the engine attaches them);
-when the reply is done the session adopts the turn (history = prompt + reply, K/V attached from the
-pages the engine published) and is checkpointed. A client that goes away sets `cancelled`: its engine
-request is cancelled at the next iteration and its private pages are freed at once.
+(`prompt_cache_key` with `prompt_cache_retention: "24h"`, `--persist`, or a session saved before) runs
+its turn on the session's own caches (Session.submit: the history is cut back to what it shares with the
+prompt and only the rest is prefilled); the session records the reply and checkpoints when it finishes.
+A client that goes away sets `cancelled`: its engine request is cancelled at the next iteration and its
+private pages are freed at once.
 """
 
 import asyncio
@@ -179,13 +179,25 @@ class Worker:
         if job.cancelled.is_set():
             return self._end(Running(job), error=APIError(499, "client closed the request"))
         try:
-            if self._persisted(job):
-                s = self._session(job.session)
-                self.rt.index.publish(s.seq, s.tokens)  # a restored session's pages, open page included
-            req = self.engine.submit(job.prompt, job.max_tokens, **self._options(job))
+            s = self._session(job.session) if self._persisted(job) else None
+            if s is not None and s.running is None:
+                req = self._session_turn(s, job)
+            else:  # no session, or its turn is running: a plain request (the index still has its pages)
+                req = self.engine.submit(job.prompt, job.max_tokens, **self._options(job))
         except Exception as e:  # noqa: BLE001  (refused before it joined: the batch is untouched)
             return self._fail(Running(job), e)
         self.batched.append(Running(job, request=req))
+
+    def _session_turn(self, s, job: Job):
+        """The job as the session's next turn, on the session's own caches: the history is cut back to what
+        it shares with the prompt (token-exact), the rest is the turn's new input; the session records the
+        reply and checkpoints when the engine finishes it."""
+        s.set_persist(True)
+        keep = min(common_prefix(s.tokens, job.prompt), len(job.prompt) - 1)
+        s.rewind(len(s.tokens) - keep)
+        opts = self._options(job)
+        return s.submit(job.prompt[keep:], job.max_tokens, opts.pop("temperature", 0.0), opts.pop("seed", None),
+                        opts.pop("top_p", 1.0), **opts)
 
     def _persisted(self, job: Job) -> bool:
         """Is the job a turn of a persisted session (retention asked, --persist, or open or saved before)?"""
@@ -221,11 +233,14 @@ class Worker:
                     self._fail(r, e)
             for r in list(self.batched):
                 self._forward(r, r.request.chunks)
+            if any(r.request.done for r in self.batched):
+                self.engine.settle()  # finished sessions' turns are recorded and checkpointed
+            for r in list(self.batched):
                 if r.request.done:
                     finished += 1
+                    if r.request.failure is not None:  # the reply is delivered; only its persistence failed
+                        log.warning("session %r: could not save the turn: %s", r.job.session, r.request.failure)
                     self._finish(r, r.request.stats)
-                    if self._persisted(r.job):
-                        self._adopt(r.job, r.request)
         rep = self.engine.report()  # a snapshot for /metrics (read on the event loop's thread)
         self.batch = {"queued": rep["queued"], "running": rep["running"], "steps": rep["steps"],
                       "preempted": rep["preempted"],
@@ -238,20 +253,6 @@ class Worker:
                 self.metrics.gap(now - r.last)
             r.last = now
             r.job.emit("chunk", chunks.popleft())
-
-    def _adopt(self, job: Job, req):
-        """The session takes the finished turn: history = prompt + reply, K/V attached from the pages the
-        engine published (rewound to a page boundary first, so whole pages attach), then a checkpoint."""
-        try:
-            s = self._session(job.session)
-            s.set_persist(True)
-            keep = common_prefix(s.tokens, req.feed) // self.rt.index.page_size * self.rt.index.page_size
-            s.rewind(len(s.tokens) - keep)
-            s.append(req.feed[keep:])
-            s.prefill()  # attaches the published pages; computes at most the last token
-            s.checkpoint(auto=True)
-        except Exception as e:  # noqa: BLE001  (the reply is delivered; only its persistence failed)
-            log.warning("session %r: could not save the turn: %s", job.session, e)
 
     def _finish(self, r: Running, stats):
         stats = stats_dict(stats)

@@ -52,6 +52,7 @@ class Session:
         self.persist, self.closed, self.dirty = persist, False, False
         self.writable = True  # False after the store failed once: auto checkpoints stay in memory
         self.last_stats = TurnStats()
+        self.running = None  # the engine request of the turn in progress (one at a time)
         self.restore_s = 0.0
         self.kv_name = f"kv:session:{self.name}" if persist else None
         if self.kv_name:
@@ -153,39 +154,67 @@ class Session:
         return Turn(self._stream(prompt, max_tokens, temperature, seed, top_p, stats, options), stats)
 
     def _stream(self, prompt, max_tokens, temperature, seed, top_p, stats: TurnStats, options) -> Iterator:
+        req = self.submit(prompt, max_tokens, temperature, seed, top_p, stats=stats, **options)
+        try:
+            for chunk in req:  # (not `yield from`: closing this turn cancels the request, see Runtime._turn)
+                yield chunk
+        finally:
+            if not req.done:
+                req.cancel()  # stopped early: what was emitted stays in the history and its K/V
+
+    def submit(self, prompt, max_tokens: int = 256, temperature: float = 0.0, seed: Optional[int] = None,
+               top_p: float = 1.0, stats: Optional[TurnStats] = None, **options):
+        """Queue a turn on this session's own caches as a request of the runtime's engine core and return
+        it: iterate it (steps the engine) or let a front step it beside others. When it finishes the
+        session records the reply (and the template's closing tokens) and checkpoints; one turn at a time."""
+        from ..engine import Sampling
+
         self._check_open()
+        if self.running is not None:
+            raise UserError(f"session {self.name!r} already has a turn running; one turn at a time")
         start = time.perf_counter()
         delta, new_msgs = self._delta(prompt)
         if not delta:
             raise UserError("nothing to generate from: the new turn renders to no tokens")
         progress = options.pop("progress", None)
+        sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed, **options)
+        stats = stats if stats is not None else TurnStats()
+        before = len(self.tokens)
         self.tokens += delta
         self.dirty = True
         for m in new_msgs:
             m["end"] = len(self.tokens)
-        reused = self.index.extend(self.seq, self.tokens, limit=len(self.tokens) - 1,
-                                   label=f"session {self.name!r}")
-        ckpt_s, written = self._long_prefill(progress)
-        prompt_tokens, fed, texts, first = list(self.tokens), [], [], None
         try:
-            for chunk in self.rt.stream_tokens(self.tokens, self.cache, max_tokens, temperature, seed, top_p,
-                                               reused_tokens=self.kv_tokens, progress=progress, fed=fed,
-                                               stats=stats, **options):
-                first = first or time.perf_counter()
-                texts.append(chunk.text)
-                yield chunk
-        finally:
-            eos = set(self.rt.tokenizer.eos_token_ids)
-            self._end_turn(prompt_tokens, fed, [t for t in fed if t not in eos], new_msgs, "".join(texts))
-            c = self.checkpoint(auto=True)
-            stats.reused_tokens, stats.prefilled_tokens = reused, len(prompt_tokens) - reused
-            stats.checkpoint_s, stats.disk_bytes_written = ckpt_s + c["checkpoint_s"], written + c["disk_bytes_written"]
-            stats.history_tokens, stats.restore_s = len(self.tokens), self.restore_s
-            if first is not None:  # from this call: restore and long-prefill checkpoints count too
-                stats.ttft_s = first - start
-            stats.turn_s = time.perf_counter() - start
-            self.restore_s = 0.0
-            self.last_stats = stats
+            reused = self.index.extend(self.seq, self.tokens, limit=len(self.tokens) - 1,
+                                       label=f"session {self.name!r}")
+            ckpt_s, written = self._long_prefill(progress)
+            turn = {"prompt": list(self.tokens), "msgs": new_msgs, "reused": reused, "checkpoint_s": ckpt_s,
+                    "written": written, "start": start}
+            self.running = self.rt.submit_turn(self.tokens, self.cache, max_tokens, self.kv_tokens, sampling,
+                                               stats, progress, on_done=lambda req: self._turn_done(req, turn))
+        except BaseException:  # refused or interrupted before it ran: the history is as it was (pages
+            self.tokens = self.tokens[:before]  # checkpointed by a long prefill stay in the store for a retry)
+            self._trim_kv(before)
+            raise
+        return self.running
+
+    def _turn_done(self, req, turn: dict):
+        """The engine finished this session's turn and its caches hold it: record and checkpoint."""
+        self.running = None
+        eos = set(self.rt.tokenizer.eos_token_ids)
+        fed = req.held()
+        self._end_turn(turn["prompt"], fed, [t for t in fed if t not in eos], turn["msgs"], "".join(req.text))
+        c = self.checkpoint(auto=True)
+        stats, prompt_tokens = req.stats, turn["prompt"]
+        stats.reused_tokens, stats.prefilled_tokens = turn["reused"], len(prompt_tokens) - turn["reused"]
+        stats.checkpoint_s = turn["checkpoint_s"] + c["checkpoint_s"]
+        stats.disk_bytes_written = turn["written"] + c["disk_bytes_written"]
+        stats.history_tokens, stats.restore_s = len(self.tokens), self.restore_s
+        if req.token_times:  # from submission: restore and long-prefill checkpoints count too
+            stats.ttft_s = req.token_times[0] - turn["start"]
+        stats.turn_s = time.perf_counter() - turn["start"]
+        self.restore_s = 0.0
+        self.last_stats = stats
 
     def _delta(self, prompt):
         """(new token ids, new messages) for a turn; raw token ids pass through unchanged."""
