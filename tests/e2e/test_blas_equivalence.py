@@ -14,13 +14,15 @@ import json, sys
 import justfit
 import mlx.core as mx
 from justfit.blas import active_blas
+from mlx_lm.models.cache import make_prompt_cache
 from justfit.models import load
 model, tok = load(sys.argv[1])
 ids = tok.encode("The quick brown fox jumps over the lazy dog. In Paris,")
-logits = model(mx.array([ids]))[0, -1]
-toks = []
-for _ in range(8):
-    toks.append(int(mx.argmax(model(mx.array([ids + toks]))[0, -1])))
+cache = make_prompt_cache(model)
+logits = model(mx.array([ids]), cache=cache)[0, -1]
+toks = [int(mx.argmax(logits))]
+for _ in range(7):
+    toks.append(int(mx.argmax(model(mx.array([toks[-1:]]), cache=cache)[0, -1])))
 print(json.dumps({"blas": active_blas(), "tokens": toks, "logits": logits.tolist()}))
 """
 

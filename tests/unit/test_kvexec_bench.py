@@ -18,11 +18,14 @@ def _tiny():
                                        vocab_size=50000, head_dim=64, tie_word_embeddings=True))
 
 
+SYSTEMS = ("justfit-default", "justfit-fp16", "mlx-lm-fp16")  # 4-bit pages, 16-bit pages, the baseline
+
+
 def test_bench_json_rows(monkeypatch, capsys):
     model = _tiny()
     monkeypatch.setattr(justfit, "load", lambda spec: (model, None), raising=False)
     bench_kv.kv(contexts="300", rounds=3, steps=2, full_prefill_max=128, prefill_layers=1, budgets="256M",
-                prompts=0, tokens=4, stress_page=0, document=False, systems=",".join(bench_kv.SYSTEM_NAMES),
+                prompts=0, tokens=4, stress_page=0, document=False, systems=",".join(SYSTEMS),
                 capacity_probe="2048,4096", chat=True, model="tiny", quick=False, json_out=True,
                 document_file=None, document_tokens=2048)
     out = json.loads(capsys.readouterr().out)
@@ -31,7 +34,7 @@ def test_bench_json_rows(monkeypatch, capsys):
     decode = {r["system"]: r for r in out["rows"] if r["kind"] == "decode"}
     prefill = {r["system"]: r for r in out["rows"] if r["kind"] == "prefill"}
     capacity = {r["system"]: r for r in out["rows"] if r["kind"] == "capacity"}
-    assert set(decode) == set(prefill) == set(capacity) == set(bench_kv.SYSTEM_NAMES)
+    assert set(decode) == set(prefill) == set(capacity) == set(SYSTEMS)
     for r in decode.values():
         assert r["context"] == 300 and r["rounds"] == 3
         assert 0 < r["decode_tok_s_min"] <= r["decode_tok_s"] <= r["decode_tok_s_max"]
