@@ -32,9 +32,11 @@ def default_model_dir(test_home) -> Path:
 
 
 @pytest.fixture(scope="session")
-def runtime16(default_model_dir, test_home):
-    """The real default model with a full-precision KV cache (the exactness reference)."""
-    return justfit.Runtime(model=str(default_model_dir), kv=justfit.KVConfig(bits=16), home=test_home)
+def runtime16(default_model_dir, tmp_path_factory):
+    """The real default model with a full-precision KV cache (the exactness reference), over a store of its
+    own (the suite runs in several worker processes: pytest-xdist)."""
+    return justfit.Runtime(model=str(default_model_dir), kv=justfit.KVConfig(bits=16),
+                           home=tmp_path_factory.mktemp("runtime16-home"))
 
 
 @pytest.fixture(scope="session")

@@ -52,15 +52,22 @@ def default_model(home=None, log=_log) -> Path:
     """The default model's folder, downloading and converting it on first use."""
     from .convert import convert_gguf
 
+    import fcntl
+
     out = models_dir(home) / default.NAME
     if is_model_folder(out):
         return out
     root = writable_home(home)
-    gguf = default.fetch_default_gguf(root / "downloads", log)
-    try:
-        return default.record_source(convert_gguf(gguf, out, log=log))  # records the verified source's sha256
-    finally:
-        gguf.unlink(missing_ok=True)
+    (root / "downloads").mkdir(parents=True, exist_ok=True)
+    with open(root / "downloads" / ".default.lock", "w") as lock:  # one process fetches; the others wait for it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_model_folder(out):
+            return out
+        gguf = default.fetch_default_gguf(root / "downloads", log)
+        try:
+            return default.record_source(convert_gguf(gguf, out, log=log))  # records the verified source's sha256
+        finally:
+            gguf.unlink(missing_ok=True)
 
 
 def resolve(spec: str, home=None, log=_log) -> str:
