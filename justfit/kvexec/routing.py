@@ -12,7 +12,7 @@ QuantizedKVCache and replacing `base.quantized_scaled_dot_product_attention`): t
 attention sinks (gpt_oss, mimo_v2_flash) and would make every caller treat paged caches as mlx-lm
 quantized ones. Rebinding by identity needs no list of model files and no knowledge of which module
 defines which class, so a family added or reorganized by an mlx-lm upgrade is covered as long as it
-imports base's function; tests/test_kvexec_families.py runs every family the installed mlx-lm ships.
+imports base's function; tests/unit/test_kvexec_families.py runs every family the installed mlx-lm ships.
 A model is routed only when every module that calls `cache.update_and_fetch` passes what it gets
 back to that function alone (checked on the source, `_uses_only_sdpa`); multi-latent attention
 (deepseek_v3, bailing_hybrid...) multiplies the cached latents itself, and a model calling
