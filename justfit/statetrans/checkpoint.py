@@ -89,7 +89,7 @@ def commit(store: PageStore, home: Path, manifest: Manifest, new_pages: List[Tup
         if manifest is not None:
             acquire(home, manifest.name, count=False)  # a fork's new session: take its lock on first commit
             for i, entry in enumerate(manifest.pages):
-                sha = entry.get("sha256") or checksums.get(entry["hash"]) or store.file_sha256(entry["hash"])
+                sha = entry.get("sha256") or checksums.get(entry["hash"]) or store.valid_sha256(entry["hash"])
                 if sha is None:  # evicted by another process meanwhile: later pages are recomputed on restore
                     del manifest.pages[i:]
                     break

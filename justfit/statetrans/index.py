@@ -183,7 +183,7 @@ class PrefixIndex:
 
     def new_pages(self, published) -> List[tuple]:
         """(hash, tensors, metadata) of published pages the store does not have yet."""
-        return [(h, *page_tensors(pages)) for _, h, pages in published if not self.store.has(h)]
+        return [(h, *page_tensors(pages)) for _, h, pages in published if not self.store.has_valid(h)]
 
     # -- budgets --------------------------------------------------------------------------------
     def evict_memory(self, cap: Optional[int] = None):

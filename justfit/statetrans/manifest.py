@@ -4,6 +4,10 @@ A manifest is the committed state of a session: its token ids, the sealed pages 
 (block hash + file checksum), the model/tokenizer fingerprints and KV format they are valid for, and the
 messages to show on resume. Commits are atomic; the previous commit is kept as `<name>.prev.json` so a
 damaged manifest falls back one turn instead of losing the session.
+
+A manifest names its session and carries a commit number; a small counter file per session
+(`sessions/.commits/<name>`) remembers the last number committed, so a manifest copied in from another
+session or an older commit put back in place is refused instead of served as this session's history.
 """
 
 import hashlib
@@ -19,7 +23,8 @@ from typing import List, Optional
 from ..errors import UserError
 from .store import atomic_write
 
-MANIFEST_FORMAT, MANIFEST_VERSION = "justfit-session", 1
+MANIFEST_FORMAT, MANIFEST_VERSION = "justfit-session", 2
+READABLE_VERSIONS = (1, 2)  # version 1 has no commit number: it reads as commit 0
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # used with fullmatch: no trailing newline
 HEX64 = re.compile(r"[0-9a-f]{64}")
 KV_FIELDS = {"name": str, "bits": int, "format": str, "group_size": int, "page_size": int,
@@ -70,6 +75,7 @@ class Manifest:
     parent: Optional[str] = None
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
+    commit: int = 0  # commits of this session so far, this one included (monotonic, see commit_counter)
 
     def to_bytes(self) -> bytes:
         doc = dict(asdict(self), format=MANIFEST_FORMAT, version=MANIFEST_VERSION)
@@ -89,8 +95,11 @@ class Manifest:
         body = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         if hashlib.sha256(body.encode()).hexdigest() != checksum:
             raise ManifestError("checksum mismatch")
-        if doc.pop("format", None) != MANIFEST_FORMAT or doc.pop("version", None) != MANIFEST_VERSION:
-            raise ManifestError("not a version-1 JustFit session manifest")
+        version = doc.pop("version", None)
+        if doc.pop("format", None) != MANIFEST_FORMAT or not _is_type(version, int) or version not in READABLE_VERSIONS:
+            raise ManifestError(f"not a version-{MANIFEST_VERSION} JustFit session manifest")
+        if version == 1 and "commit" in doc:
+            raise ManifestError("bad field commit (not in version 1)")
         try:
             m = cls(**doc)
         except TypeError as e:
@@ -104,6 +113,7 @@ class Manifest:
         for f in ("model_fingerprint", "tokenizer_fingerprint", "model"):
             _expect(isinstance(getattr(self, f), str), f)
         _expect(self.parent is None or isinstance(self.parent, str), "parent")
+        _expect(_is_type(self.commit, int) and 0 <= self.commit < 2**62, "commit")
         for f in ("created", "updated"):
             v = getattr(self, f)
             _expect(_is_num(v) and v == v and abs(v) < 1e12, f)
@@ -147,10 +157,39 @@ def _expect(ok: bool, field: str, *detail: str):
         raise ManifestError(f"bad field {field}" + "".join(f" ({d})" for d in detail if d))
 
 
+def counter_path(home: Path, name: str) -> Path:
+    return sessions_dir(home) / ".commits" / check_name(name)
+
+
+def commit_counter(home: Path, name: str) -> int:
+    """The last commit number made of this session (0: none recorded, or the file is unreadable).
+    It lives beside, not inside, the manifests, so putting back an older manifest does not roll it back."""
+    try:
+        text = counter_path(home, name).read_text("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return 0
+    return int(text) if text.isdigit() and len(text) < 19 else 0
+
+
+def _record_commit(home: Path, name: str, n: int):
+    """Write the counter after its manifest is durable (no fsync of its own: a counter lost in a crash
+    only lags one commit behind, which the readers accept; it is never ahead of the manifest)."""
+    path = counter_path(home, name)
+    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(f"{n}\n", "ascii")
+        os.rename(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # the manifest is committed: a missing counter only weakens the check
+
+
 def write_manifest(home: Path, m: Manifest):
-    """Commit a manifest atomically, keeping the previous commit as <name>.prev.json (call under lock)."""
+    """Commit a manifest atomically, keeping the previous commit as <name>.prev.json (call under lock).
+    Its commit number goes past both the one it was read with and the session's counter."""
     path = manifest_path(home, m.name)
     m.updated = time.time()
+    m.commit = max(m.commit, commit_counter(home, m.name)) + 1
     tmp_dir = sessions_dir(home) / ".tmp"
     if path.exists():
         backup = tmp_dir / f"{path.name}.{os.getpid()}.prev"
@@ -162,16 +201,30 @@ def write_manifest(home: Path, m: Manifest):
         finally:
             backup.unlink(missing_ok=True)  # no partial file left when the disk is full or read-only
     atomic_write(path, m.to_bytes(), tmp_dir)
+    _record_commit(home, m.name, m.commit)
+
+
+def _load(path: Path, name: str, vocab_size: Optional[int], oldest: int) -> Manifest:
+    """One manifest file, checked to be this session's and no older than commit `oldest`."""
+    m = Manifest.from_bytes(path.read_bytes(), vocab_size)
+    if m.name != name:
+        raise ManifestError(f"it holds session {m.name!r}, copied in from another session")
+    if m.commit < oldest:
+        raise ManifestError(f"it is commit {m.commit}, but commit {oldest} was made before: an older copy "
+                            "was put back")
+    return m
 
 
 def read_manifest(home: Path, name: str, vocab_size: Optional[int] = None) -> Optional[Manifest]:
     """The session's last good commit, or None when it does not exist. A damaged, unreadable or missing
     manifest whose previous commit survives falls back to it with a warning; both damaged: UserError.
-    With vocab_size, token ids outside the vocabulary count as damage (never fed to the model)."""
+    With vocab_size, token ids outside the vocabulary count as damage (never fed to the model). A
+    manifest of another session, or older than the session's commit counter, is damage too."""
     path = manifest_path(home, name)
     prev = _prev_path(path)
+    last = commit_counter(home, name)
     try:
-        return Manifest.from_bytes(path.read_bytes(), vocab_size)
+        return _load(path, name, vocab_size, last)
     except FileNotFoundError:
         if not os.path.lexists(prev):
             return None
@@ -181,10 +234,11 @@ def read_manifest(home: Path, name: str, vocab_size: Optional[int] = None) -> Op
     except ManifestError as e:
         reason = str(e)
     try:
-        m = Manifest.from_bytes(prev.read_bytes(), vocab_size)
-    except (OSError, ManifestError):
+        m = _load(prev, name, vocab_size, last - 1)
+    except (OSError, ManifestError) as e:
+        why = f"; {prev.name}: {e}" if os.path.lexists(prev) and isinstance(e, ManifestError) else ""
         raise UserError(f"session {name!r}: manifest {path} is damaged ({reason}) and has no good "
-                        f"previous commit; remove it with `justfit sessions rm {name}`") from None
+                        f"previous commit{why}; remove it with `justfit sessions rm {name}`") from None
     warn(f"session {name!r}: manifest is damaged ({reason}); resuming from the previous commit {prev.name}")
     return m
 
@@ -196,14 +250,17 @@ def list_manifests(home: Path) -> List[Manifest]:
         if p.name.endswith(".prev.json"):
             continue
         try:
-            out.append(Manifest.from_bytes(p.read_bytes()))
+            m = Manifest.from_bytes(p.read_bytes())
         except (OSError, ManifestError):
             continue
+        if m.name == p.name[:-len(".json")]:  # a copy of another session's manifest is not a session
+            out.append(m)
     return out
 
 
 def remove_manifest(home: Path, name: str) -> bool:
-    """Delete a session's manifest and its backup; False when there was none."""
+    """Delete a session's manifest and its backup; False when there was none. The commit counter stays,
+    so an old copy of the removed session put back later is still refused."""
     path = manifest_path(home, name)
     found = os.path.lexists(path) or os.path.lexists(_prev_path(path))
     _prev_path(path).unlink(missing_ok=True)  # the backup first: a crash in between never resurrects it

@@ -54,6 +54,7 @@ class Session:
         self.last_stats = TurnStats()
         self.running = None  # the engine request of the turn in progress (one at a time)
         self.restore_s = 0.0
+        self.commit = 0  # the manifest commit number this history was read or last written as
         self.kv_name = f"kv:session:{self.name}" if persist else None
         if self.kv_name:
             rt.register_kv(self.kv_name, self.cache, self.resident_bytes, self.release_pages, lambda: not self.dirty)
@@ -80,6 +81,7 @@ class Session:
         _check_compatible(m, index, name)
         s = cls(rt, name, m.tokens, m.messages, parent=m.parent, created=m.created,
                 checkpoint_every=checkpoint_every)
+        s.commit = m.commit
         hashes = index.hashes(m.tokens)
         sums = [p.get("sha256") if p.get("hash") == hashes[i] else None for i, p in enumerate(m.pages)]
         index.extend(s.seq, m.tokens, checksums=sums, label=f"session {name!r}")
@@ -342,6 +344,7 @@ class Session:
             m = self._manifest(published, open_entry) if manifest else None
             written = commit(self.index.store, self.rt.home, m, new, self.index.checksums,
                              keep=self.index.live_pages)
+            self.commit = m.commit if m is not None else self.commit
         except (StoreWriteError, OSError) as e:
             err = e if isinstance(e, StoreWriteError) else StoreWriteError(
                 f"cannot write the session store at {self.rt.home}: {e}; the session continues in memory")
@@ -360,7 +363,7 @@ class Session:
         if op is None:
             return None
         h, m, pages = op
-        if not self.index.store.has(h):
+        if not self.index.store.has_valid(h):
             new.append((h, *open_page_tensors(pages, m)))
         return {"hash": h, "tokens": m}
 
@@ -371,7 +374,8 @@ class Session:
             open_entry["sha256"] = self.index.checksums.get(open_entry["hash"])
         return Manifest(self.name, fps["model"], fps["tokenizer"], dict(self.index.kv), list(self.tokens),
                         pages, [dict(m) for m in self.messages], open_page=open_entry,
-                        model=str(self.rt.model_spec), parent=self.parent, created=self.created)
+                        model=str(self.rt.model_spec), parent=self.parent, created=self.created,
+                        commit=self.commit)
 
     def tool_phase(self):
         """`with s.tool_phase():` checkpoints this session, then PhaseSwap releases the weights and its

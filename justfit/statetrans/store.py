@@ -167,12 +167,24 @@ class PageStore:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    def has_valid(self, h: str) -> bool:
+        """has(), except that a file this process has not seen yet must be a valid page of hash h: a torn
+        or wrong file at the path counts as absent, so the next write replaces it."""
+        if h in self.known:
+            return True
+        if self.valid_sha256(h) is None:
+            return False
+        self.known.add(h)
+        return True
+
     def write(self, h: str, tensors: Dict[str, object], metadata: Dict[str, str]) -> Tuple[str, int]:
-        """Commit one page (no-op when present); (sha256 of the file, bytes written: 0 if it existed)."""
+        """Commit one page; (sha256 of the file, bytes written). A file already at the path is kept (0 bytes
+        written) only when it is a valid page of hash h; anything else there is replaced."""
         path = self.path(h)
-        if self.has(h):
-            sha = self.file_sha256(h)
+        if os.path.lexists(path):
+            sha = self.valid_sha256(h)
             if sha is not None:
+                self.known.add(h)
                 return sha, 0
         blob = encode_page(tensors, dict(metadata, format=PAGE_FORMAT, version=PAGE_VERSION, block_hash=h))
         try:
@@ -184,13 +196,19 @@ class PageStore:
         self.known.add(h)
         return hashlib.sha256(blob).hexdigest(), len(blob)
 
-    def file_sha256(self, h: str) -> Optional[str]:
-        """sha256 of a page file's bytes, or None when it is not on disk."""
+    def valid_sha256(self, h: str) -> Optional[str]:
+        """sha256 of the file at h's path when it is a whole, checksummed page of hash h; None otherwise
+        (missing, torn, damaged, another page's file)."""
         try:
-            return hashlib.sha256(self.path(h).read_bytes()).hexdigest()
-        except OSError:
+            blob = self.path(h).read_bytes()
+            header, _ = decode_header(blob)
+        except (OSError, CorruptPage):
             self.known.discard(h)
             return None
+        if header["__metadata__"].get("block_hash") != h:
+            self.known.discard(h)
+            return None
+        return hashlib.sha256(blob).hexdigest()
 
     def open(self, h: str, sha256: Optional[str] = None) -> PageFile:
         """Verify a page (structure, data checksum, block hash, optional whole-file checksum) and keep it

