@@ -33,6 +33,7 @@ class TurnStats:
     turn_s: float = 0.0
     peak_memory_bytes: int = 0
     finish_reason: str = "length"  # "stop" (end of turn, stop string, finished grammar) | "length"
+    stop_sequence: Optional[str] = None  # the stop string that ended the turn, if one did
     drafter: str = "none"
     draft_passes: int = 0
     drafted_tokens: int = 0

@@ -138,6 +138,7 @@ class Request(Submitted):
         self.state, self.finish_reason = DONE, reason
         s = self.stats
         s.finish_reason = reason
+        s.stop_sequence = self._stops.hit
         s.turn_s = time.perf_counter() - self.submitted
         if len(self.token_times) > 1:
             s.decode_tok_s = (len(self.token_times) - 1) / (self.token_times[-1] - self.token_times[0])

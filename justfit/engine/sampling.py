@@ -129,16 +129,18 @@ class StopText:
     """Cuts streamed text at the first stop string, holding back a tail that may start one."""
 
     def __init__(self, stops: Sequence[str]):
-        self.stops, self.buf, self.hit = list(stops), "", False
+        self.stops, self.buf = list(stops), ""
+        self.hit: Optional[str] = None  # the stop string that ended the text (APIs that report it)
 
     def feed(self, text: str) -> str:
         """The text that can be emitted now."""
         if not self.stops:
             return text
         self.buf += text
-        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.buf, self.hit = self.buf[:cut], "", True
+        found = [(i, s) for s in self.stops for i in [self.buf.find(s)] if i >= 0]
+        if found:
+            cut, self.hit = min(found, key=lambda f: f[0])
+            out, self.buf = self.buf[:cut], ""
             return out
         hold = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
         out, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]

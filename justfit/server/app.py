@@ -42,7 +42,7 @@ class Server:
 
         procs = [make(v) for make, v in ((make_frequency_penalty, req.frequency_penalty),
                                          (make_presence_penalty, req.presence_penalty)) if v]
-        options = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
+        options = {"temperature": req.temperature, "top_p": req.top_p, "top_k": getattr(req, "top_k", None), "seed": req.seed,
                    "stop": stops(req.stop) or None, "logit_bias": check_logit_bias(req.logit_bias, self.n_vocab) or None,
                    "logits_processors": procs or None}
         persist = req.prompt_cache_retention == "24h"
@@ -71,6 +71,7 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     from fastapi import FastAPI
 
     from . import errors
+    from .messages import router as messages_router
     from .routes import router
 
     server = Server(rt, persist, max_queue, idle_release)
@@ -84,6 +85,7 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     app = FastAPI(title="JustFit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.include_router(router)
+    app.include_router(messages_router)
     errors.install(app, api_key, max_body)
     if cors:
         from starlette.middleware.cors import CORSMiddleware
@@ -116,7 +118,7 @@ class LogRequests:
             log.error("internal error on %s: %s: %s", scope["path"], type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             if not status[0]:
                 status[0] = 500
-                await send_error(send, 500, f"internal error: {type(e).__name__}: {e}", None)
+                await send_error(send, 500, f"internal error: {type(e).__name__}: {e}", None, scope["path"])
         finally:
             route = scope["path"] if scope["path"] in ROUTES else "other"
             self.metrics.request(route, status[0] or 499)
@@ -125,7 +127,8 @@ class LogRequests:
                      time.perf_counter() - start, extra)
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/v1/messages",
+          "/v1/messages/count_tokens")
 
 
 def check_bind(host: str, api_key: Optional[str]):

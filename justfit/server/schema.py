@@ -148,6 +148,7 @@ class ChatRequest(Sampling):
     response_format: Optional[ResponseFormat] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    top_k: Optional[int] = Field(None, ge=0)  # not OpenAI's: the fronts whose APIs have it (Messages) set it
 
 
 class CompletionRequest(Sampling):
