@@ -205,3 +205,21 @@ def test_store_blocked_by_a_file_is_a_clear_error(rt, home, capfd):
     assert g.tokens and g2.stats.reused_tokens > 0
     with pytest.raises(UserError, match="cannot write the session store"):
         s.checkpoint()
+
+
+def test_a_session_turn_is_an_engine_request_and_one_runs_at_a_time(runtime16):
+    """Session.submit queues the turn on the session's own caches (a front steps it beside others); a second
+    turn while one runs is refused in one line; when it finishes the session holds the turn, K/V included."""
+    s = runtime16.session(None)
+    try:
+        req = s.submit("Name a color.", 4)
+        with pytest.raises(UserError, match="one turn at a time"):
+            s.submit("And another?", 4)
+        g = req.result()
+        start = g.stats.prompt_tokens
+        assert g.tokens and s.tokens[start:start + len(g.tokens)] == g.tokens  # then the template's closing tokens
+        assert s.kv_tokens == start + len(g.tokens)  # the reply's K/V went in when the caller read its last chunk
+        again = s.submit("And another?", 2).result()
+        assert again.stats.reused_tokens >= len(s.tokens) - len(again.tokens) - 16  # only the new turn prefilled
+    finally:
+        s.close()
