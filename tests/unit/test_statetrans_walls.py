@@ -3,13 +3,17 @@ older commit is refused, a wrong file at a page's path is replaced, a deleted lo
 second writer in, and a disk quota evicts the least recently used unpinned sessions."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from justfit.errors import UserError
+from justfit.statetrans.lock import SessionInUse, acquire, lock_path, release
 from justfit.statetrans.manifest import Manifest, commit_counter, manifest_path, read_manifest, write_manifest
 from justfit.statetrans.store import PageStore, decode_header
 
@@ -100,3 +104,43 @@ def test_wrong_file_at_a_page_path_is_replaced(tmp_path, junk):
     header, _ = decode_header(store.path(h).read_bytes())
     assert header["__metadata__"]["block_hash"] == h
     assert fresh.write(h, *page(1.0)) == (sha, 0)  # a valid page stays
+
+
+# -- a deleted lock file does not let a second writer in -----------------------------------------------------
+HOLDER = ("import sys; from pathlib import Path; from justfit.statetrans.lock import acquire\n"
+          "acquire(Path(sys.argv[1]), 'k5'); print('held', flush=True); sys.stdin.read()\n")
+TAKER = ("import sys; from pathlib import Path; from justfit.statetrans.lock import acquire, SessionInUse\n"
+         "try:\n    acquire(Path(sys.argv[1]), 'k5'); print('acquired')\n"
+         "except SessionInUse as e:\n    print('refused:', e)\n")
+
+
+def _py(code, home, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-c", code, str(home)], env=env, text=True, stdout=subprocess.PIPE, **kw)
+
+
+def test_deleted_lock_file_does_not_let_a_second_writer_in(tmp_path):
+    home = tmp_path
+    holder = _py(HOLDER, home, stdin=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lock_path(home, "k5").unlink()  # (before: the next process locked a new file and got in)
+        out = _py(TAKER, home).communicate(timeout=60)[0]
+        assert out.startswith("refused:") and f"in use by process {holder.pid}" in out, out
+    finally:
+        holder.communicate(input="", timeout=60)
+    assert _py(TAKER, home).communicate(timeout=60)[0].strip() == "acquired"  # the holder exited: free
+
+
+def test_a_holder_remakes_its_deleted_lock_file(tmp_path):
+    home = tmp_path
+    assert acquire(home, "k6")
+    try:
+        lock_path(home, "k6").unlink()
+        acquire(home, "k6", count=False)  # what a commit does first
+        assert lock_path(home, "k6").read_text().strip() == str(os.getpid())
+        with pytest.raises(SessionInUse, match="open in this process"):
+            acquire(home, "k6", exclusive=True)
+    finally:
+        release(home, "k6")
+    assert not lock_path(home, "k6").exists()
