@@ -132,7 +132,7 @@ async def completions(req: CompletionRequest, request: Request):
     async with cancel_on_disconnect(request, jobs):
         for i, job in enumerate(jobs):
             reply = Reply()
-            async for kind, value in run_job(job, reply, request):
+            async for kind, value in run_job(_Continued(job, srv.rt.tokenizer), reply, request):
                 if kind == "done":
                     stats.append(value[1])
                     choices.append(TextChoice(index=i, text=head + reply.text, finish_reason=_finish(None, value[1])))
@@ -145,7 +145,7 @@ async def _text_chunks(req: CompletionRequest, rid: str, jobs, head: str, reques
     for i, job in enumerate(jobs):
         if head:
             yield Completion(id=rid, model=srv.model_id, choices=[TextChoice(index=i, text=head, finish_reason=None)])
-        async for kind, value in run_job(job, Reply(), request):
+        async for kind, value in run_job(_Continued(job, srv.rt.tokenizer), Reply(), request):
             if kind == "done":
                 stats.append(value[1])
                 yield Completion(id=rid, model=srv.model_id,
@@ -154,6 +154,31 @@ async def _text_chunks(req: CompletionRequest, rid: str, jobs, head: str, reques
                 yield Completion(id=rid, model=srv.model_id, choices=[TextChoice(index=i, text=value[1], finish_reason=None)])
     if req.stream_options and req.stream_options.include_usage:
         yield Completion(id=rid, model=srv.model_id, choices=[], usage=_usage(jobs, stats))
+
+
+class _Continued:
+    """A text-completion job whose first text keeps its leading space. The streaming detokenizer drops the
+    space a reply's first token starts with (right for a chat message, which starts fresh); a text
+    completion continues its prompt, so "Once upon a" must go on with " time", not "time"."""
+
+    def __init__(self, job, tokenizer):
+        self._job, self._tokenizer = job, tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._job, name)
+
+    async def events(self):
+        ids, started = [], False
+        async for kind, value in self._job.events():
+            if kind == "chunk" and not started:
+                if value.token >= 0:
+                    ids.append(value.token)
+                if value.text:
+                    started = True
+                    whole = self._tokenizer.decode(ids) if ids else ""
+                    if whole.startswith(" ") and not value.text.startswith(" "):
+                        value = type(value)(" " + value.text, value.token)
+            yield kind, value
 
 
 async def _sse(chunks, jobs):
