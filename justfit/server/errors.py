@@ -2,7 +2,8 @@
 
 Every failure a client can cause answers a 4xx in the envelope of the protocol its path belongs to
 (ENVELOPES: OpenAI's `{"error": {"message", "type", "param", "code"}}` unless a prefix says otherwise,
-Anthropic's `{"type": "error", "error": {"type", "message"}}` under /v1/messages); the server's own
+Anthropic's `{"type": "error", "error": {"type", "message"}}` under /v1/messages, Ollama's `{"error": "..."}`
+under /api/); the server's own
 failures answer the same envelope with 500 and never a traceback.
 """
 
@@ -53,8 +54,13 @@ def anthropic_envelope(status: int, message: str, param=None, code=None) -> dict
                                        "message": message}}
 
 
+def ollama_envelope(status: int, message: str, param=None, code=None) -> dict:
+    """Ollama's error body (its /api/ routes): the message alone."""
+    return {"error": message}
+
+
 # The envelope of each protocol, by path prefix (the first that matches); OpenAI's elsewhere.
-ENVELOPES = (("/v1/messages", anthropic_envelope),)
+ENVELOPES = (("/v1/messages", anthropic_envelope), ("/api/", ollama_envelope))
 
 
 def envelope_for(path: str):

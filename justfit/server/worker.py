@@ -25,6 +25,7 @@ from .errors import APIError
 
 log = logging.getLogger("justfit.server")
 MAX_SESSIONS = 16
+WAKE = object()  # put in the inbox to make the thread read idle_release again (keep_alive)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Worker:
         self.batch = {"queued": 0, "running": 0, "max_running": 0, "steps": 0, "preempted": 0}  # last snapshot
         self.in_flight = 0  # accepted and not finished (the thread's count)
         self.released = False
+        self.idle_since = time.time()  # when the last job ended (Ollama's /api/ps expiry counts from it)
         self.thread = threading.Thread(target=self._loop, name="justfit-engine", daemon=True)
         self.thread.start()
 
@@ -130,6 +132,12 @@ class Worker:
         job.loop, job.out = asyncio.get_running_loop(), asyncio.Queue()
         self.jobs.put(job)
         return job
+
+    def keep_alive(self, seconds: Optional[float]):
+        """Release weights and KV `seconds` after the last job ends (None: never; 0: as soon as idle), until
+        set again: Ollama's keep_alive. Wakes the thread, so a shorter time counts from now."""
+        self.idle_release = seconds
+        self.jobs.put(WAKE)
 
     def close(self):
         """Stop the thread (running requests end with a 503) and checkpoint every open session."""
@@ -171,7 +179,7 @@ class Worker:
             try:
                 jobs.append(self.jobs.get_nowait())
             except queue.Empty:
-                return jobs
+                return [j for j in jobs if j is not WAKE]
 
     def _start(self, job: Job):
         """Submit a job to the engine (opening its persisted session first, so its pages are found)."""
@@ -270,6 +278,7 @@ class Worker:
         if r in self.batched:
             self.batched.remove(r)
         self.in_flight -= 1
+        self.idle_since = time.time()
         r.job.emit("error", error) if error is not None else r.job.emit("end", stats)
 
     def _stop(self, arrived: List[Job]):
@@ -280,7 +289,7 @@ class Worker:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
-            arrived += [job] if job is not None else []
+            arrived += [job] if job is not None and job is not WAKE else []
         for job in arrived:
             self.in_flight += 1
             self._end(Running(job), error=gone)

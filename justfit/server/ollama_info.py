@@ -1,0 +1,155 @@
+"""What Ollama's clients ask before they generate: is the server up (`/`), its version, the models it
+has (`/api/tags`), what one of them is (`/api/show`) and which are loaded (`/api/ps`). JustFit serves one
+model; its Ollama name is the served id with the tag `latest`."""
+
+import hashlib
+import json
+import struct
+import time
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from .errors import APIError
+from .ollama_schema import ShowBody
+
+router = APIRouter()
+VERSION = "0.12.0"  # the Ollama API version whose shapes these routes follow
+TAG = ":latest"
+FOREVER = 300 * 365 * 24 * 3600.0  # keep_alive < 0 (never released): Ollama reports a far-off expiry
+
+
+def iso(t: float) -> str:
+    """A time as Ollama writes it (RFC 3339, UTC)."""
+    return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def ollama_name(srv) -> str:
+    return srv.model_id + TAG
+
+
+def check_model(srv, name: Optional[str]):
+    """The served model under any of its names, with or without ':latest'; else Ollama's 404."""
+    bare = (name or "")[:-len(TAG)] if (name or "").endswith(TAG) else (name or "")
+    if bare not in srv.names:
+        raise APIError(404, f"model '{name}' not found")
+
+
+@lru_cache(maxsize=4)
+def _files(folder: str):
+    """(bytes on disk, digest, config, parameter count) of a model folder. The digest hashes the
+    files' names, sizes and times: it changes when the model does, and costs no read of the weights."""
+    path = Path(folder)
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    params = sum(_parameters(f, config.get("quantization") or {}) for f in files if f.suffix == ".safetensors")
+    modified = max((f.stat().st_mtime for f in files), default=time.time())
+    return sum(f.stat().st_size for f in files), h.hexdigest(), config, params, modified
+
+
+def _parameters(file: Path, quant: dict) -> int:
+    """Parameters in one safetensors file, from its header alone: a quantized weight (uint32 words with
+    `scales` beside it) holds 32/bits values per word; its scales and biases are not parameters."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    total = 0
+    for name, t in header.items():
+        base = name.rsplit(".", 1)[0]
+        quantized = f"{base}.scales" in header
+        if quantized and name.endswith((".scales", ".biases")):
+            continue
+        numel = 1
+        for d in t["shape"]:
+            numel *= d
+        if quantized and t["dtype"] == "U32":
+            numel = numel * 32 // (quant.get(base, {}).get("bits") or quant.get("bits") or 4)
+        total += numel
+    return total
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _info(srv):
+    folder = str(getattr(srv.rt.model, "justfit_path", None) or "")
+    return _files(folder) if folder else (0, hashlib.sha256(srv.model_id.encode()).hexdigest(), {}, 0, srv.started)
+
+
+def details(srv) -> dict:
+    _, _, config, params, _ = _info(srv)
+    family = config.get("model_type", "unknown")
+    quant = config.get("quantization") or {}
+    level = f"Q{quant['bits']}" if quant.get("bits") else str(config.get("torch_dtype", "F16")).upper()
+    return {"parent_model": "", "format": "safetensors", "family": family, "families": [family],
+            "parameter_size": _size(params) if params else "unknown", "quantization_level": level}
+
+
+@router.get("/")
+@router.head("/")
+async def root():
+    return PlainTextResponse("Ollama is running")
+
+
+@router.get("/api/version")
+async def version():
+    return {"version": VERSION}
+
+
+@router.get("/api/tags")
+async def tags(request: Request):
+    srv = request.app.state.server
+    size, digest, _, _, modified = _info(srv)
+    name = ollama_name(srv)
+    return {"models": [{"name": name, "model": name, "modified_at": iso(modified), "size": size,
+                        "digest": digest, "details": details(srv)}]}
+
+
+@router.post("/api/show")
+async def show(body: ShowBody, request: Request):
+    srv = request.app.state.server
+    name = body.model or body.name
+    if not name:
+        raise APIError(400, "model is required")
+    check_model(srv, name)
+    _, _, config, params, modified = _info(srv)
+    arch = config.get("model_type", "unknown")
+    info = {"general.architecture": arch, "general.parameter_count": params, f"{arch}.context_length": srv.context}
+    for key, ours in (("embedding_length", "hidden_size"), ("block_count", "num_hidden_layers"),
+                      ("attention.head_count", "num_attention_heads"),
+                      ("attention.head_count_kv", "num_key_value_heads"), ("vocab_size", "vocab_size")):
+        if ours in config:
+            info[f"{arch}.{key}"] = config[ours]
+    folder = getattr(srv.rt.model, "justfit_path", None) or srv.rt.model_spec
+    return {"modelfile": f"# served by JustFit\nFROM {folder}\nPARAMETER num_ctx {srv.context}\n",
+            "parameters": f"num_ctx {srv.context}\ntemperature 0.8\ntop_k 40\ntop_p 0.9",
+            "template": getattr(srv.rt.tokenizer, "chat_template", None) or "",
+            "details": details(srv), "model_info": info, "capabilities": ["completion", "tools"],
+            "modified_at": iso(modified)}
+
+
+@router.get("/api/ps")
+async def ps(request: Request):
+    """The model while its weights are loaded; nothing once keep_alive (or --idle-release) released them."""
+    srv = request.app.state.server
+    worker = srv.worker
+    if worker.released:
+        return {"models": []}
+    keep = worker.idle_release
+    busy = worker.queue_length > 0
+    expires = (time.time() if busy else worker.idle_since) + (FOREVER if keep is None else keep)
+    name = ollama_name(srv)
+    _, digest, _, _, _ = _info(srv)
+    return {"models": [{"name": name, "model": name, "size": srv.rt.residency()["resident_bytes"], "digest": digest,
+                        "details": details(srv), "expires_at": iso(expires), "size_vram": 0,
+                        "context_length": srv.context}]}
