@@ -46,7 +46,7 @@ def page_loaders(pf: PageFile, n_layers: int, pad_to: Optional[int] = None):
     kinds = pf.meta["kinds"].split(",")
     if int(pf.meta.get("layers", -1)) != n_layers or len(kinds) != n_layers:
         raise ValueError(f"page has {pf.meta.get('layers')} layers, the model {n_layers}")
-    names = set(pf.names())
+    counts = _part_counts(pf.names())
     left = [n_layers]
 
     def part(name):
@@ -60,8 +60,8 @@ def page_loaders(pf: PageFile, n_layers: int, pad_to: Optional[int] = None):
 
     def loader(layer):
         def load():
-            k = tuple(part(f"{layer}.k.{i}") for i in range(_count(names, f"{layer}.k.")))
-            v = tuple(part(f"{layer}.v.{i}") for i in range(_count(names, f"{layer}.v.")))
+            k = tuple(part(f"{layer}.k.{i}") for i in range(counts.get((str(layer), "k"), 0)))
+            v = tuple(part(f"{layer}.v.{i}") for i in range(counts.get((str(layer), "v"), 0)))
             left[0] -= 1
             if left[0] == 0:
                 pf.close()
@@ -72,8 +72,14 @@ def page_loaders(pf: PageFile, n_layers: int, pad_to: Optional[int] = None):
     return kinds, [loader(i) for i in range(n_layers)]
 
 
-def _count(names, prefix: str) -> int:
-    return sum(n.startswith(prefix) and n[len(prefix):].isdigit() for n in names)
+def _part_counts(names) -> Dict[Tuple[str, str], int]:
+    """(layer, 'k' or 'v') -> how many parts `<layer>.<k|v>.<i>` the page holds, in one pass over names."""
+    out: Dict[Tuple[str, str], int] = {}
+    for n in names:
+        layer, kv, i = (n.split(".") + ["", ""])[:3]
+        if kv in ("k", "v") and i.isdigit():
+            out[layer, kv] = out.get((layer, kv), 0) + 1
+    return out
 
 
 def commit(store: PageStore, home: Path, manifest: Manifest, new_pages: List[Tuple[str, dict, dict]],

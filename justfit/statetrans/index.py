@@ -14,6 +14,7 @@ attached up to its last matching token; the sequence copies that page on its fir
 
 import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -25,6 +26,7 @@ from .store import CorruptPage, PageStore
 MEMORY_CAP = int(os.environ.get("JUSTFIT_PREFIX_MEMORY_BYTES", 1 << 30))
 OPEN_PER_PREFIX = 4  # remembered open pages that continue the same sealed prefix
 DISK_CAP = int(os.environ.get("JUSTFIT_STORE_DISK_BYTES", 8 << 30))
+_READERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="justfit-pages")
 
 
 class PrefixIndex:
@@ -63,12 +65,28 @@ class PrefixIndex:
             return min(seq.lengths)
         tokens = list(tokens[:limit] if limit is not None else tokens)
         prev = self.hashes(tokens[:n * P])[-1] if n else None
-        for i, h in enumerate(self.hashes(tokens, n, prev), start=n):
-            if not self._attach(seq, h, checksums[i] if checksums and i < len(checksums) else None,
-                                label, i, len(tokens) // P):
-                break
+        hashes = self.hashes(tokens, n, prev)
+        sums = [checksums[i] if checksums and i < len(checksums) else None for i in range(n, n + len(hashes))]
+        opened = self._open_ahead(hashes, sums)
+        try:
+            for i, h in enumerate(hashes, start=n):
+                if not self._attach(seq, h, sums[i - n], label, i, len(tokens) // P, opened.pop(h, None)):
+                    break
+        finally:
+            for f in opened.values():  # pages past a failed one: verified for nothing, closed
+                if not f.exception():
+                    f.result().close()
         self._attach_partial(seq, tokens)
         return min(seq.lengths)
+
+    def _open_ahead(self, hashes, sums) -> dict:
+        """Verify the store pages a walk will need, several at once (hashing releases the GIL): block
+        hash -> future of store.open. Pages in memory or not on disk are left to the walk."""
+        todo = [(h, sha) for h, sha in zip(hashes, sums)
+                if not (h in self.mem and self.mem[h] in self.pool.refs) and self.store.has(h)]
+        if len(todo) < 2:
+            return {}
+        return {h: _READERS.submit(self.store.open, h, sha) for h, sha in todo}
 
     def _attach_partial(self, seq, tokens):
         """Attach the remembered page (open or sealed) that shares the most tokens with what follows
@@ -89,7 +107,7 @@ class PrefixIndex:
             seq.table.append(pid)
             seq.lengths = [n * P + best] * len(seq.lengths)
 
-    def _attach(self, seq, h: str, sha: Optional[str], label: str, i: int, total: int) -> bool:
+    def _attach(self, seq, h: str, sha: Optional[str], label: str, i: int, total: int, opening=None) -> bool:
         P = self.page_size
         pid = self.mem.get(h)
         if pid is not None and pid in self.pool.refs:
@@ -104,7 +122,7 @@ class PrefixIndex:
                      f"{(total - i) * P}+ tokens from token ids")
             return False
         try:
-            pf = self.store.open(h, sha)
+            pf = opening.result() if opening is not None else self.store.open(h, sha)
             kinds, loaders = page_loaders(pf, self.pool.n_layers)
         except (CorruptPage, ValueError, KeyError) as e:
             warn(f"{label}: page {i + 1} of {total} is unusable ({e}); recomputing "

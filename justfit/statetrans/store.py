@@ -10,6 +10,8 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
+import mmap
 import os
 import struct
 from contextlib import contextmanager
@@ -26,6 +28,7 @@ DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uin
           "U8": np.uint8}
 TAGS = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint32): "U32",
         np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8"}
+ITEMSIZE = {tag: np.dtype(t).itemsize for tag, t in DTYPES.items()}
 WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
 
 
@@ -65,8 +68,9 @@ def encode_page(tensors: Dict[str, object], metadata: Dict[str, str]) -> bytes:
     return struct.pack("<Q", len(text)) + text + data
 
 
-def decode_header(blob: bytes) -> Tuple[dict, int]:
-    """(header dict, data start) of safetensors bytes, checking structure and the data checksum."""
+def decode_header(blob, check_data: bool = True) -> Tuple[dict, int]:
+    """(header dict, data start) of safetensors bytes (or a read-only mmap), checking structure and the
+    data checksum (check_data=False: the caller already matched the whole file's sha256)."""
     if len(blob) < 8:
         raise CorruptPage("truncated (no header)")
     (n,) = struct.unpack("<Q", blob[:8])
@@ -86,13 +90,13 @@ def decode_header(blob: bytes) -> Tuple[dict, int]:
         if not _tensor_entry_ok(e):
             raise CorruptPage(f"bad tensor entry {name!r}")
         lo, hi = e["data_offsets"]
-        size = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(DTYPES[e["dtype"]]).itemsize
+        size = math.prod(e["shape"]) * ITEMSIZE[e["dtype"]]
         if hi - lo != size or lo < 0 or start + hi > len(blob):
             raise CorruptPage(f"tensor {name!r} out of bounds (truncated?)")
         end = max(end, hi)
     if start + end != len(blob):
         raise CorruptPage("file length does not match its header (truncated or extended)")
-    if hashlib.sha256(memoryview(blob)[start:]).hexdigest() != meta.get("data_sha256"):
+    if check_data and hashlib.sha256(memoryview(blob)[start:]).hexdigest() != meta.get("data_sha256"):
         raise CorruptPage("checksum mismatch")
     header["__metadata__"] = meta
     return header, start
@@ -100,33 +104,42 @@ def decode_header(blob: bytes) -> Tuple[dict, int]:
 
 def _tensor_entry_ok(e) -> bool:
     """A header entry is {"dtype": known tag, "shape": [ints >= 0], "data_offsets": [lo <= hi]} (typed check)."""
-    ints = lambda xs, n=None: isinstance(xs, list) and (n is None or len(xs) == n) and all(  # noqa: E731
-        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**48 for x in xs)
-    return (isinstance(e, dict) and e.get("dtype") in DTYPES and ints(e.get("shape")) and len(e["shape"]) <= 8
-            and ints(e.get("data_offsets"), 2) and e["data_offsets"][0] <= e["data_offsets"][1])
+    return (isinstance(e, dict) and e.get("dtype") in DTYPES and _ints(e.get("shape")) and len(e["shape"]) <= 8
+            and _ints(e.get("data_offsets"), 2) and e["data_offsets"][0] <= e["data_offsets"][1])
+
+
+def _ints(xs, n=None) -> bool:
+    """A list (of n items) of ints in [0, 2^48), bools excluded."""
+    return isinstance(xs, list) and (n is None or len(xs) == n) and all(
+        type(x) is int and 0 <= x < 2**48 for x in xs)
 
 
 class PageFile:
-    """A verified page file kept open, so its tensors can be read lazily (even if evicted meanwhile)."""
+    """A verified page file, mapped read-only so its tensors can be read lazily (even if evicted meanwhile)
+    from the same pages of the OS cache the verification read: one pass over the file, no staging copy."""
 
-    def __init__(self, fd: int, header: dict, start: int):
-        self.fd, self.header, self.start = fd, header, start
+    def __init__(self, mm: mmap.mmap, header: dict, start: int):
+        self.mm, self.header, self.start = mm, header, start
         self.meta = header["__metadata__"]
 
     def names(self):
         return [n for n in self.header if n != "__metadata__"]
 
     def read(self, name: str):
-        """(numpy array, dtype tag) of one tensor, read with pread from the open file."""
+        """(numpy array, dtype tag) of one tensor: a view of the mapped file (copy it before close())."""
         e = self.header[name]
         lo, hi = e["data_offsets"]
-        raw = os.pread(self.fd, hi - lo, self.start + lo)
-        return np.frombuffer(raw, dtype=DTYPES[e["dtype"]]).reshape(e["shape"]), e["dtype"]
+        dtype = np.dtype(DTYPES[e["dtype"]])
+        a = np.frombuffer(self.mm, dtype=dtype, count=(hi - lo) // dtype.itemsize, offset=self.start + lo)
+        return a.reshape(e["shape"]), e["dtype"]
 
     def close(self):
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # an array still views it: the mapping goes with the last view
+                pass
+            self.mm = None
 
     def __del__(self):
         self.close()
@@ -211,8 +224,9 @@ class PageStore:
         return hashlib.sha256(blob).hexdigest()
 
     def open(self, h: str, sha256: Optional[str] = None) -> PageFile:
-        """Verify a page (structure, data checksum, block hash, optional whole-file checksum) and keep it
-        open for lazy reads; CorruptPage with a short reason otherwise."""
+        """Verify a page in one pass over its bytes and keep it mapped for lazy reads: with the manifest's
+        `sha256` of the whole file, that digest (it covers header and data); without one, the header's
+        data checksum. Structure and block hash are checked either way; CorruptPage with a short reason."""
         path = self.path(h)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -223,21 +237,29 @@ class PageStore:
             raise CorruptPage(f"unreadable ({e.strerror})") from None
         try:
             size = os.fstat(fd).st_size
-            blob = os.pread(fd, size, 0)
-            if sha256 is not None and hashlib.sha256(blob).hexdigest() != sha256:
+            if size < 8:
+                raise CorruptPage("truncated (no header)")
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise CorruptPage(f"unreadable ({e})") from None
+        finally:
+            os.close(fd)  # the mapping keeps the file's pages
+        try:
+            if sha256 is not None and hashlib.sha256(mm).hexdigest() != sha256:
                 raise CorruptPage("checksum mismatch")
-            header, start = decode_header(blob)
+            header, start = decode_header(mm, check_data=sha256 is None)
             if header["__metadata__"].get("block_hash") != h:
                 raise CorruptPage("holds another page")
         except BaseException:
-            os.close(fd)
+            mm.close()
             raise
         try:
             os.utime(path)  # LRU clock for disk eviction
         except OSError:
             pass
-        pf = PageFile(fd, header, start)
-        pf.sha256 = hashlib.sha256(blob).hexdigest() if sha256 is None else sha256
+        self.known.add(h)
+        pf = PageFile(mm, header, start)
+        pf.sha256 = hashlib.sha256(mm).hexdigest() if sha256 is None else sha256
         return pf
 
     def discard(self, h: str):
