@@ -132,7 +132,7 @@ class Constraint:
     def __init__(self, tokenizer, n_vocab: int, grammar: str):
         import llguidance as llg
 
-        self.n_vocab = n_vocab
+        self.n_vocab, self.grammar = n_vocab, grammar  # the text: rebuilt on the other ranks under mlx.launch
         self.matcher = llg.LLMatcher(ll_tokenizer(tokenizer, n_vocab), grammar)
         if self.matcher.is_error():
             raise ValueError(f"bad grammar: {self.matcher.get_error()}")

@@ -22,6 +22,8 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None  # OpenAI's: subtracted once from each token in the last 20
+    frequency_penalty: Optional[float] = None  # OpenAI's: subtracted per occurrence in the last 20
     logit_bias: Optional[dict] = None
     seed: Optional[int] = None
     stop: Sequence[str] = ()
@@ -50,13 +52,15 @@ class Sampling:
 
     @property
     def processors_needed(self) -> bool:
-        return bool(self.logits_processors or self.logit_bias or self.repetition_penalty not in (None, 1.0))
+        return bool(self.logits_processors or self.logit_bias or self.repetition_penalty not in (None, 1.0)
+                    or self.presence_penalty or self.frequency_penalty)
 
     def processors(self) -> List[Callable]:
         from mlx_lm.sample_utils import make_logits_processors
 
         rp = None if self.repetition_penalty in (None, 1.0) else self.repetition_penalty
-        return make_logits_processors(self.logit_bias or None, rp) + list(self.logits_processors)
+        return make_logits_processors(self.logit_bias or None, rp, presence_penalty=self.presence_penalty or None,
+                                      frequency_penalty=self.frequency_penalty or None) + list(self.logits_processors)
 
     def sampler(self) -> Callable:
         from mlx_lm.sample_utils import make_sampler

@@ -38,13 +38,10 @@ class Server:
 
     def submit(self, req, ids, max_tokens: int, grammar: Optional[str]) -> Job:
         """Queue one reply for a validated request."""
-        from mlx_lm.sample_utils import make_frequency_penalty, make_presence_penalty
-
-        procs = [make(v) for make, v in ((make_frequency_penalty, req.frequency_penalty),
-                                         (make_presence_penalty, req.presence_penalty)) if v]
         options = {"temperature": req.temperature, "top_p": req.top_p, "top_k": getattr(req, "top_k", None), "seed": req.seed,
                    "stop": stops(req.stop) or None, "logit_bias": check_logit_bias(req.logit_bias, self.n_vocab) or None,
-                   "logits_processors": procs or None, "repetition_penalty": getattr(req, "repetition_penalty", None)}
+                   "frequency_penalty": req.frequency_penalty or None,
+                   "presence_penalty": req.presence_penalty or None, "repetition_penalty": getattr(req, "repetition_penalty", None)}
         persist = req.prompt_cache_retention == "24h"
         if req.prompt_cache_key is not None:
             from ..statetrans.manifest import check_name
@@ -74,7 +71,6 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     from .messages import router as messages_router
     from .ollama import router as ollama_router
     from .ollama_info import router as ollama_info_router
-    from .responses import router as responses_router
     from .routes import router
 
     server = Server(rt, persist, max_queue, idle_release)
@@ -91,7 +87,6 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     app.include_router(messages_router)
     app.include_router(ollama_router)
     app.include_router(ollama_info_router)
-    app.include_router(responses_router)
     errors.install(app, api_key, max_body)
     if cors:
         from starlette.middleware.cors import CORSMiddleware
@@ -135,7 +130,7 @@ class LogRequests:
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/v1/messages",
           "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps",
-          "/api/version", "/", "/v1/responses")
+          "/api/version", "/")
 
 
 def check_bind(host: str, api_key: Optional[str]):
