@@ -49,7 +49,7 @@ def read_config(path: Optional[Path] = None) -> dict:
 def check_against(command, table: dict, where: str, path: Path) -> None:
     """Every key names a subcommand or an option of `command` (a click command), so typos are errors."""
     subcommands = getattr(command, "commands", None) or {}  # a group (typer bundles its own click)
-    options = {p.name for p in command.params}
+    options = {p.name: p for p in command.params}
     for key, value in table.items():
         if key in subcommands and isinstance(value, dict):
             check_against(subcommands[key], value, f"{where}.{key}" if where else key, path)
@@ -57,6 +57,21 @@ def check_against(command, table: dict, where: str, path: Path) -> None:
             known = sorted(set(options) | set(subcommands))
             label = f"[{where}] has no option" if where else "no command or option named"
             raise UserError(f"{path}: {label} {key!r} (known: {', '.join(known) or 'none'})")
+        else:
+            _check_value(command, options[key], value, f"[{where}] {key}" if where else key, path)
+
+
+def _check_value(command, param, value, label: str, path: Path) -> None:
+    """The value converts as the option's own type would convert it from the command line; a wrong one is
+    blamed on the file and the key (click alone would name a flag the user never passed)."""
+    try:
+        runtime = getattr(param, "get_runtime_param", None)  # typer's options convert through it
+        if runtime is not None:
+            runtime().coerce(value, param=param, ctx=command.context_class(command))
+        else:
+            param.type_cast_value(command.context_class(command), value)
+    except Exception as e:  # click's BadParameter, from the click that typer bundles
+        raise UserError(f"{path}: {label} = {value!r}: {getattr(e, 'message', e)}") from None
 
 
 def default_map(command, path: Optional[Path] = None) -> dict:
