@@ -183,8 +183,8 @@ def serve(
 ):
     """Serve the model over the OpenAI HTTP API (chat and text completions, tools, JSON output, sessions).
 
-    Under `mlx.launch -n N`, rank 0 serves and the other ranks mirror each request, one at a time
-    (tools, JSON output, sessions and --idle-release are single-process only; docs/distributed.md).
+    Under `mlx.launch -n N`, rank 0 serves and every rank runs the same batching engine, rank 0 leading
+    (persisted sessions and --idle-release are single-process only; docs/distributed.md).
     """
     from .config import KVConfig
     from .phaseswap import parse_budget
@@ -204,7 +204,11 @@ def serve(
     if rt.sharding.world_size > 1:  # rank 0 serves HTTP, the other ranks follow its turns
         from .distributed.serving import run_front
 
-        why = run_front(rt, lambda front: run_server(front, host, port, **options))
+        from .grammar import Constraint
+        from .models.vocab import vocab_size
+
+        why = run_front(rt, lambda front: run_server(front, host, port, **options),
+                        make_constraint=lambda grammar: Constraint(rt.tokenizer, vocab_size(rt.model), grammar))
         if why:  # a turn may still be stuck inside MLX waiting for the dead rank: exit now
             typer.echo(f"justfit: error: {why}", err=True)
             os._exit(1)

@@ -1,7 +1,13 @@
-"""`mlx.launch -n 2 -- justfit serve`: rank 0 owns HTTP, the follower mirrors each turn. A real openai
-client on loopback gets the same greedy text as from a one-process server (16-bit pages); a rank
-killed with SIGKILL mid-reply makes the front report it and exit 1 within a bounded time."""
+"""`mlx.launch -n 2 -- justfit serve`: rank 0 owns HTTP, every rank runs the one engine core with rank 0
+leading. Real clients on loopback get from 2 ranks what a one-process server gives (greedy, 16-bit pages):
+plain and streamed replies, three concurrent streams that run as one batch, a forced tool call, a
+json_schema reply and frequency/presence penalties; a prompt_cache_key without retention reuses the
+prefix, one with retention is refused in one line; a rank killed with SIGKILL mid-reply makes the front
+report it and exit 1 within a bounded time."""
 
+import asyncio
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -15,13 +21,25 @@ from distributed_launch import env, launch_command, rank_process, why_not
 from server_support import Served, free_port
 
 PROMPTS = ["hello there", "tell me about the river bank"]
+STREAMS = ["one two three", "the cat sat on", "tell me about the river bank"]
+UNIT = {"type": "function", "function": {"name": "set_unit", "description": "Set the temperature unit.",
+                                         "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+                                                        "required": ["unit"], "additionalProperties": False}}}
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
+    import shutil
+
     from statetrans_util import tiny_model_folder
 
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-serve"), layers=4)
+    base = tmp_path_factory.mktemp("tiny-serve")
+    folder = shutil.copytree(tiny_model_folder(base, layers=4), base / "long")  # a tool prompt passes 256 tokens
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    return folder
 
 
 class Ranks:
@@ -67,44 +85,133 @@ def _skip_without_launch():
         pytest.skip(reason)
 
 
-def _ask(url: str, prompt: str, stream: bool = False, **extra) -> str:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+def _ask(url: str, prompt: str, stream: bool = False, max_tokens: int = 12, **extra) -> str:
+    client = _client(url)
     messages = [{"role": "user", "content": prompt}]
     if stream:
-        parts = client.chat.completions.create(model="default", messages=messages, max_tokens=12, temperature=0,
-                                               stream=True, **extra)
+        parts = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
+                                               temperature=0, stream=True, **extra)
         return "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
-    r = client.chat.completions.create(model="default", messages=messages, max_tokens=12, temperature=0, **extra)
+    r = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens, temperature=0,
+                                       **extra)
     return r.choices[0].message.content
 
 
-@pytest.mark.slow  # ~85 s on 2 cores: a 1-process server, then a 2-rank one
-def test_serve_two_ranks_same_text_as_one_process(tiny_folder, tmp_path):
+def _client(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _structured(url: str) -> dict:
+    """A forced tool call (named, and tool_choice required), a json_schema reply and a penalized reply."""
+    c, user = _client(url), [{"role": "user", "content": "which unit?"}]
+    out = {}
+    for name, choice in (("named", {"type": "function", "function": {"name": "set_unit"}}), ("required", "required")):
+        r = c.chat.completions.create(model="default", messages=user, max_tokens=160, temperature=0, tools=[UNIT],
+                                      tool_choice=choice).choices[0]
+        call = r.message.tool_calls[0].function if r.message.tool_calls else None
+        out[name] = (r.finish_reason, call and call.name, call and call.arguments)
+    r = c.chat.completions.create(model="default", messages=user, max_tokens=40, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}})
+    out["json"] = r.choices[0].message.content
+    out["penalized"] = _ask(url, PROMPTS[1], frequency_penalty=1.5, presence_penalty=1.0)
+    return out
+
+
+async def _streams(url: str) -> list:
+    from openai import AsyncOpenAI
+
+    c = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    async def one(prompt):
+        parts = await c.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=16, temperature=0, stream=True)
+        return "".join([p.choices[0].delta.content or "" async for p in parts if p.choices])
+
+    return await asyncio.gather(*(one(p) for p in STREAMS))
+
+
+def _metric(url: str, name: str) -> int:
+    return int(re.search(re.escape(name) + r" (\d+)", httpx.get(url + "/metrics", timeout=10).text).group(1))
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_folder, tmp_path_factory):
+    """What a one-process server answers: plain replies, the structured requests, the streams one at a time."""
     _skip_without_launch()
-    (tmp_path / "h1").mkdir()
-    one = Served(tmp_path / "h1", str(tiny_folder), "--kv-bits", "16")
+    home = tmp_path_factory.mktemp("serve-one")
+    one = Served(home, str(tiny_folder), "--kv-bits", "16")
     try:
-        want = [_ask(one.url, p) for p in PROMPTS]
+        return {"plain": [_ask(one.url, p) for p in PROMPTS], **_structured(one.url),
+                "streams": [_ask(one.url, p, stream=True, max_tokens=16) for p in STREAMS]}
     finally:
         one.stop()
+
+
+@pytest.fixture(scope="module")
+def two(tiny_folder, tmp_path_factory):
+    _skip_without_launch()
+    ranks = Ranks(tiny_folder, tmp_path_factory.mktemp("serve-two"))
+    yield ranks
+    ranks.close()
+
+
+@pytest.mark.slow  # ~85 s on 2 cores: a 1-process server, then a 2-rank one
+def test_serve_two_ranks_same_text_as_one_process(one_process, two):
+    want = one_process["plain"]
     assert all(want) and len(set(want)) == 2, want
-    two = Ranks(tiny_folder, tmp_path / "h2")
-    try:
-        got = [_ask(two.url, p) for p in PROMPTS]
-        streamed = _ask(two.url, PROMPTS[0], stream=True)  # streamed, and the prefix cache now holds it
-        refused = httpx.post(two.url + "/v1/chat/completions", timeout=60, json={
-            "model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "response_format": {"type": "json_object"}})
-        again = _ask(two.url, PROMPTS[1])  # the ranks are still in step after the refusal
-        two.proc.send_signal(signal.SIGTERM)
-        two.proc.wait(timeout=60)
-    finally:
-        two.close()
-    assert got == want and streamed == want[0] and again == want[1]
-    assert refused.status_code == 400 and "mlx.launch" in refused.json()["error"]["message"]
+    got = [_ask(two.url, p) for p in PROMPTS]
+    streamed = _ask(two.url, PROMPTS[0], stream=True)  # streamed, and the prefix cache now holds it
+    assert got == want and streamed == want[0]
+
+
+@pytest.mark.slow
+def test_serve_two_ranks_tools_json_schema_and_penalties(one_process, two):
+    got = _structured(two.url)
+    for name in ("named", "required"):
+        reason, fn, args = got[name]
+        assert reason == "tool_calls" and fn == "set_unit" and json.loads(args)["unit"] in ("c", "f"), got
+    import jsonschema
+
+    jsonschema.validate(json.loads(got["json"]), SCHEMA)
+    assert got["penalized"] and got["penalized"] != one_process["plain"][1]  # the penalties took effect
+    assert got == {k: one_process[k] for k in got}  # token for token what one process gives
+
+
+@pytest.mark.slow
+def test_serve_two_ranks_batches_concurrent_streams(one_process, two):
+    steps = _metric(two.url, "justfit_batch_steps_total")
+    got = asyncio.run(_streams(two.url))
+    assert got == one_process["streams"] and all(got)
+    assert _metric(two.url, "justfit_batch_running_max") >= 2  # one batch, not one request after another
+    assert _metric(two.url, "justfit_batch_steps_total") - steps < 3 * 16  # shared steps
+
+
+@pytest.mark.slow
+def test_serve_two_ranks_prompt_cache_key(two):
+    c, key = _client(two.url), "two-ranks"
+    turns = [[{"role": "user", "content": "tell me about the river bank and the boats"}]]
+    first = c.chat.completions.create(model="default", messages=turns[0], max_tokens=8, temperature=0,
+                                      prompt_cache_key=key)
+    turns.append(turns[0] + [{"role": "assistant", "content": first.choices[0].message.content},
+                             {"role": "user", "content": "and then?"}])
+    second = c.chat.completions.create(model="default", messages=turns[1], max_tokens=8, temperature=0,
+                                       prompt_cache_key=key)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    refused = httpx.post(two.url + "/v1/chat/completions", timeout=60, json={
+        "model": "default", "messages": turns[0], "max_tokens": 4, "prompt_cache_key": key,
+        "prompt_cache_retention": "24h"})
+    assert refused.status_code == 400 and "mlx.launch" in refused.json()["error"]["message"], refused.text
+    assert _ask(two.url, PROMPTS[0])  # the ranks are still in step after the refusal
+
+
+@pytest.mark.slow
+def test_serve_two_ranks_stop_on_sigterm(two):
+    two.proc.send_signal(signal.SIGTERM)
+    two.proc.wait(timeout=60)
     assert "exited with code" not in two.err() and "lost a rank" not in two.err(), two.err()[-3000:]
+    assert "Traceback" not in two.err(), two.err()[-3000:]
 
 
 @pytest.mark.slow  # ~70 s on 2 cores

@@ -1,47 +1,101 @@
-"""serving.py without a launch (one rank): what travels to the followers, what is refused, and that the
-Leader and its serial Engine give the Runtime's own tokens (the 2-rank runs are in test_distributed_serve)."""
+"""serving.py and mirror.py without a launch (one rank): what travels to the other ranks, what is refused,
+and that an engine replaying the Leader's calls computes the same requests (the 2-rank runs are in
+tests/e2e/test_distributed_serve.py)."""
+
+import json
 
 import pytest
 
-from justfit.distributed.serving import Leader, _stream_kwargs, turn_options
+from justfit.distributed.mirror import follow, from_wire, to_wire
+from justfit.distributed.serving import Leader
+from justfit.engine.sampling import Sampling
 from justfit.errors import UserError
 
 
-def test_turn_options_travel_as_json_or_are_refused():
-    import json
+class Grammar:
+    """A stand-in constraint: only its grammar text travels."""
 
-    t = json.loads(json.dumps(turn_options(0.7, None, 0.9, {"stop": "END", "logit_bias": {5: -1.5}, "top_k": 3})))
-    kw = _stream_kwargs({"op": "turn", "tokens": [1], **t})
-    assert kw["stop"] == ["END"] and kw["logit_bias"] == {5: -1.5} and kw["top_k"] == 3
-    assert isinstance(kw["seed"], int)  # unseeded sampling gets one seed for every rank
-    assert turn_options(0.0, None, 1.0, {})["seed"] is None
+    def __init__(self, grammar):
+        self.grammar = grammar
+
+
+def test_sampling_travels_as_json_or_is_refused():
+    opts = {"temperature": 0.7, "seed": None, "stop": "END", "logit_bias": {5: -1.5}, "top_k": 3,
+            "frequency_penalty": 0.5, "presence_penalty": None, "constraint": Grammar('start: "a"')}
+    wire = json.loads(json.dumps(to_wire(opts, grammars=True)))
+    assert isinstance(wire["seed"], int) and opts["seed"] == wire["seed"]  # rank 0 draws the seed it sends
+    back = from_wire(wire, Grammar)
+    assert back["stop"] == ["END"] and back["logit_bias"] == {5: -1.5} and back["top_k"] == 3
+    assert back["frequency_penalty"] == 0.5 and "presence_penalty" not in back
+    assert back["constraint"].grammar == 'start: "a"'
+    back.pop("constraint")
+    assert len(Sampling(**back).processors()) == 2  # the logit bias and the frequency penalty, rebuilt as data
+    assert not Sampling(presence_penalty=0.5).plain_greedy
+    assert to_wire({"temperature": 0.0}, grammars=False).get("seed") is None
     with pytest.raises(UserError, match="mlx.launch"):
-        turn_options(0.0, None, 1.0, {"constraint": object()})
+        to_wire({"constraint": Grammar("x")}, grammars=False)
     with pytest.raises(UserError, match="mlx.launch"):
-        turn_options(0.0, None, 1.0, {"logits_processors": [lambda t, x: x]})
+        to_wire({"constraint": object()}, grammars=True)
+    with pytest.raises(UserError, match="mlx.launch"):
+        to_wire({"logits_processors": [lambda t, x: x]}, grammars=True)
     with pytest.raises(UserError, match="draft"):
-        turn_options(0.0, None, 1.0, {"draft": 1})
+        to_wire({"draft": 1}, grammars=True)
 
 
-def test_leader_and_serial_engine_give_the_runtime_s_tokens(tmp_path_factory):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
     from distributed_launch import sharp_tiny_folder
-    from statetrans_util import runtime, tiny_model_folder
+    from statetrans_util import tiny_model_folder
 
     base = tmp_path_factory.mktemp("tiny-leader")
-    rt = runtime(sharp_tiny_folder(tiny_model_folder(base, layers=2), base / "sharp"), base / "home", bits=16)
-    want = [rt.generate(p, max_tokens=6).tokens for p in ("hello there", "the river bank")]
+    return sharp_tiny_folder(tiny_model_folder(base, layers=2), base / "sharp"), base
+
+
+def test_an_engine_replaying_the_leader_s_calls_computes_the_same_requests(tiny):
+    from statetrans_util import runtime
+
+    folder, base = tiny
+    rt = runtime(folder, base / "home0", bits=16)
+    prompts = ("hello there", "the river bank", "hello there")
+    want = [rt.generate(p, max_tokens=6).tokens for p in prompts[:2]]
+    steps0 = rt.batch_engine().steps
     leader = Leader(rt)
+    sent = []
+    leader._send = sent.append  # what rank 0 would broadcast, in order
     assert leader.generate("hello there", max_tokens=6).tokens == want[0]
-    reqs = [leader.submit(p, max_tokens=6) for p in ("hello there", "the river bank", "hello there")]
+    reqs = [leader.submit(p, max_tokens=6, temperature=0.0, repetition_penalty=1.0) for p in prompts]
     reqs[2].cancel()  # queued, never started
-    assert [g.tokens for g in leader.batch_engine().run(reqs[:2])] == want
-    assert reqs[2].done and leader.batch_engine().report()["queued"] == 0
-    first = leader.stream("hello there", max_tokens=6)
-    next(first)
-    with pytest.raises(RuntimeError, match="one at a time"):  # never a silent deadlock of the thread
-        next(leader.stream("the river bank", max_tokens=6))
-    first.close()
-    assert leader.generate("the river bank", max_tokens=6).tokens == want[1]
+    engine = leader.batch_engine()
+    assert [g.tokens for g in engine.run(reqs[:2])] == want
+    assert engine.report()["queued"] == 0 and engine.scheduler.chunks.rows() > 0
+    ops = [m["op"] for m in sent]
+    assert ops[:2] == ["submit", "step"] and ops.count("submit") == 4 and ops.count("cancel") == 1
+    assert all(m["tokens"] == rt.encode(p) for m, p in zip([m for m in sent if m["op"] == "submit"][1:], prompts))
+
+    other = runtime(folder, base / "home1", bits=16)  # a second rank's engine, replaying the calls
+    replay = iter(sent + [{"op": "stop"}])
+    seen = []
+    real_submit = other.batch_engine().submit
+
+    def submit(*args, **kwargs):
+        seen.append(real_submit(*args, **kwargs))
+        return seen[-1]
+
+    other.engine.submit = submit
+    assert follow(other.engine, lambda: next(replay)) == ops.count("step")
+    assert [r.out for r in seen] == [want[0], want[0], want[1], []]
+    assert seen[3].finish_reason == "cancelled" and other.engine.steps == engine.steps - steps0
     with pytest.raises(UserError, match="prompt_cache_key"):
         leader.session("s")
-    assert leader.stop() is None
+    with pytest.raises(UserError, match="prompt_cache_key"):  # a turn on caller-owned caches (a session's)
+        engine.submit(rt.encode("hi"), 4, caches=rt.make_cache(), reused=0)
+
+
+def test_a_replayed_call_this_rank_refuses_is_raised(tiny):
+    from statetrans_util import runtime
+
+    folder, base = tiny
+    rt = runtime(folder, base / "home2", bits=16)
+    msgs = iter([{"op": "submit", "id": 0, "tokens": [], "max_tokens": 4, "sampling": {}}])
+    with pytest.raises(RuntimeError, match="out of step"):
+        follow(rt.batch_engine(), lambda: next(msgs))

@@ -1,0 +1,181 @@
+"""The one engine core on every rank under mlx.launch: rank 0 leads it, the other ranks replay its calls.
+
+Every rank runs the same Engine (justfit/engine) over its own shard. On rank 0, each call into the engine
+from outside (submit, cancel, step) is first broadcast as JSON; the other ranks make the same call on their
+own engine in the same order (`follow`), so every model pass, and every collective inside it, lines up.
+A submission travels as its prompt ids, max_tokens and sampling options, grammar text and penalties
+included; a seed is drawn on rank 0 when sampling is unseeded.
+
+Inside a step the engine decides from state every rank holds alike (the queue, the running set, the
+prefix index), except three things each rank would answer on its own: whether bytes fit the KV budget
+(each rank counts its own shard's bytes), how many prefill rows a decoding step carries (sized from step
+times each rank measures) and the tokens (a shard's logits could differ in their last bits). `agree_policy`
+makes those rank 0's answers on every rank: an `all_sum` of a value that is zero everywhere but on rank 0.
+Greedy tokens agree inside the step's own graph, so the next pass can still be queued before they are read.
+
+Not mirrored: turns on caller-owned caches (sessions; `settle` then feeds nothing, so it needs no
+broadcast) and custom logits processors (code does not travel); both are refused on rank 0 in one line.
+"""
+
+import random
+from typing import Callable, Dict, Optional
+
+from ..errors import UserError
+from .world import World
+
+# Sampling options that travel as JSON as they are (logit_bias as pairs, constraint as its grammar text).
+TRAVELS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty", "seed", "stop", "logit_bias")
+CALLER_CACHES = ("turns on caller-owned caches (prompt_cache_key sessions) are not mirrored under mlx.launch yet; "
+                 "leave the session out (prefix reuse still works) or serve on one rank")
+
+
+def agree_int(value: int, w: World) -> int:
+    """Rank 0's int on every rank (one all_sum; others pass anything)."""
+    import mlx.core as mx
+
+    mine = int(value) if w.is_front else 0
+    return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int64), group=w.group).item())
+
+
+def agree_array(a, w: World):
+    """Rank 0's int array on every rank, lazily (a collective in the graph that reads it)."""
+    import mlx.core as mx
+
+    a = a.astype(mx.int32)
+    return mx.distributed.all_sum(a if w.is_front else mx.zeros_like(a), group=w.group)
+
+
+def agree_policy(engine, w: World):
+    """Make the engine's per-rank answers rank 0's on every rank: the KV budget test (when there is a
+    budget), the prefill rows of a decoding step, and every token taken. Every rank calls this once on its
+    engine before its first step."""
+    if w.size == 1:
+        return
+    kv, chunks, runner = engine.kv, engine.scheduler.chunks, engine.runner
+    if kv.budget_bytes is not None:
+        fits = kv.fits  # each rank still runs its own (it drops speed copies), rank 0's answer counts
+        kv.fits = lambda need: bool(agree_int(fits(need), w))
+    rows = chunks.rows
+    chunks.rows = lambda: agree_int(rows(), w)
+    start, queue, pick = runner.start, runner.queue, runner.pick
+
+    def agreed(pass_):
+        plan, logits, greedy = pass_
+        if greedy is None:
+            return pass_
+        import mlx.core as mx
+
+        greedy = agree_array(greedy, w)
+        mx.async_eval(greedy)
+        return plan, logits, greedy
+
+    runner.start = lambda plan: agreed(start(plan))
+    runner.queue = lambda nxt, greedy: agreed(queue(nxt, greedy))
+    runner.pick = lambda r, logits, greedy: agree_int(pick(r, logits, greedy), w) if r.chooser.rewrites else greedy
+
+
+def to_wire(options: dict, grammars: bool) -> dict:
+    """A submission's sampling options as JSON (a UserError for those that cannot travel). Unseeded
+    sampling gets a seed here, written back into `options` so rank 0 draws the same tokens."""
+    opts = {k: v for k, v in options.items() if v is not None}
+    if opts.pop("logits_processors", None):
+        raise UserError("custom logits processors cannot be mirrored to the other ranks under mlx.launch; "
+                        "use the sampling options (penalties, logit_bias, grammars) or serve on one rank")
+    constraint = opts.pop("constraint", None)
+    grammar = getattr(constraint, "grammar", None)
+    if constraint is not None and (grammar is None or not grammars):
+        raise UserError("this grammar constraint cannot be mirrored to the other ranks under mlx.launch")
+    unknown = sorted(k for k in opts if k not in TRAVELS)
+    if unknown:
+        raise UserError(f"option(s) {', '.join(unknown)} cannot be mirrored to the other ranks under mlx.launch")
+    if opts.get("temperature", 0) > 0 and opts.get("seed") is None:  # every rank draws the same tokens
+        opts["seed"] = options["seed"] = random.SystemRandom().randrange(1 << 62)
+    if "logit_bias" in opts:  # JSON object keys are strings: send pairs
+        opts["logit_bias"] = [[int(k), float(v)] for k, v in opts["logit_bias"].items()]
+    if isinstance(opts.get("stop"), str):
+        opts["stop"] = [opts["stop"]]
+    if grammar is not None:
+        opts["grammar"] = grammar
+    return opts
+
+
+def from_wire(wire: dict, make_constraint: Optional[Callable[[str], object]]) -> dict:
+    """Engine.submit options from `to_wire`'s JSON."""
+    opts = dict(wire)
+    if "logit_bias" in opts:
+        opts["logit_bias"] = {int(k): float(v) for k, v in opts["logit_bias"]}
+    grammar = opts.pop("grammar", None)
+    if grammar is not None:
+        opts["constraint"] = make_constraint(grammar)
+    return opts
+
+
+class Lead:
+    """Rank 0's engine, its outside calls broadcast first: installed over the engine's own `submit`,
+    `cancel` and `step` (instance attributes), so every caller (a front, a Request being iterated, the
+    engine's own `run`) goes through it. `send(msg)` broadcasts one call; `grammars`: can the other ranks
+    build grammar constraints; `failed(e)` sees what a mirrored call raised (a lost rank) before it is raised."""
+
+    def __init__(self, engine, send: Callable[[dict], None], grammars: bool = False,
+                 failed: Optional[Callable[[BaseException], None]] = None):
+        self.engine, self.send, self.grammars, self.failed = engine, send, grammars, failed
+        self._submit, self._cancel, self._step = engine.submit, engine.cancel, engine.step
+        engine.submit, engine.cancel, engine.step = self.submit, self.cancel, self.step
+
+    def submit(self, tokens, max_tokens: int = 256, caches=None, reused: int = 0, progress=None, stats=None,
+               sampling=None, on_done=None, **options):
+        """Engine.submit, mirrored: checked on rank 0 first (a refusal sends nothing), then sent."""
+        if caches is not None or sampling is not None:
+            raise UserError(CALLER_CACHES)
+        wire = to_wire(options, self.grammars)
+        with self.engine.lock:
+            req = self._submit(tokens, max_tokens, progress=progress, stats=stats, on_done=on_done, **options)
+            self.send({"op": "submit", "id": req.id, "tokens": list(req.prompt), "max_tokens": max_tokens,
+                       "sampling": wire})
+        return req
+
+    def cancel(self, req):
+        with self.engine.lock:
+            if not req.done:
+                self.send({"op": "cancel", "id": req.id})
+            self._cancel(req)
+
+    def step(self) -> int:
+        with self.engine.lock:
+            self.send({"op": "step"})
+            try:
+                return self._step()
+            except RuntimeError as e:
+                if self.failed is not None:
+                    self.failed(e)
+                raise
+
+
+def follow(engine, receive: Callable[[], dict], make_constraint: Optional[Callable[[str], object]] = None) -> int:
+    """Ranks > 0: make rank 0's engine calls on this rank's engine until it says stop; returns the steps run.
+    A submission this rank refuses where rank 0 accepted it means the ranks are out of step: raised."""
+    requests: Dict[int, object] = {}  # rank 0's request id -> this rank's request
+    steps = 0
+    while True:
+        msg = receive()
+        op = msg["op"]
+        if op == "stop":
+            return steps
+        if op == "step":
+            engine.step()
+            steps += 1
+            for rid in [rid for rid, r in requests.items() if r.done]:
+                del requests[rid]  # finished on every rank: rank 0 sends nothing more about it
+        elif op == "submit":
+            try:
+                requests[msg["id"]] = engine.submit(msg["tokens"], msg["max_tokens"],
+                                                    **from_wire(msg["sampling"], make_constraint))
+            except (UserError, ValueError) as e:
+                raise RuntimeError(f"this rank refused a request rank 0 accepted ({e}): the ranks are out of step") from e
+        elif op == "cancel":
+            r = requests.pop(msg["id"], None)
+            if r is not None:
+                engine.cancel(r)
+        else:
+            raise RuntimeError(f"unknown mirrored call {op!r} from rank 0")
