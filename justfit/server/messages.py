@@ -24,6 +24,11 @@ router = APIRouter()
 SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_")
 IGNORED_BLOCKS = ("thinking", "redacted_thinking")  # earlier turns' reasoning: not shown to this model
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# A system block for Anthropic's accounting, not for the model; Claude Code's varies with the prompt, so
+# leaving it out keeps the system prompt a stable prefix that the next request reuses.
+BILLING = "x-anthropic-billing-header:"
+UNIMPLEMENTED = "Unimplemented keys: "
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _srv(request: Request):
@@ -49,6 +54,10 @@ def _texts(blocks, where: str) -> str:
             raise APIError(400, f"{where}[{j}]: content block type {kind!r} is not supported here: this model reads "
                            "text only", f"{where}[{j}].type")
     return "\n".join(out)
+
+
+def _texts_or_str(content, where: str) -> str:
+    return content if isinstance(content, str) else _texts(content, where)
 
 
 def _user(m: InMessage, i: int) -> List[Message]:
@@ -103,18 +112,42 @@ def _tool(t: InTool, i: int) -> Optional[Tool]:
                        "(name, description, input_schema)", f"tools[{i}].type")
     if t.input_schema is None:
         raise APIError(400, f"tools[{i}]: a custom tool needs input_schema", f"tools[{i}].input_schema")
-    return Tool(function=FunctionDef(name=t.name, description=t.description, parameters=t.input_schema))
+    return Tool(function=FunctionDef(name=t.name, description=t.description, parameters=enforceable(t.input_schema)))
+
+
+def enforceable(schema: dict) -> dict:
+    """The schema without the keywords the grammar compiler does not implement (Claude Code's tools use
+    propertyNames, for one): the reply's JSON keeps the schema's shape, and those rules go unchecked."""
+    import llguidance as llg
+
+    probe = {**schema, "x-guidance": {"lenient": True}}
+    _, notes = llg.LLMatcher.validate_grammar_with_warnings("start: %json " + json.dumps(probe) + "\n")
+    keys = {k for n in notes if n.startswith(UNIMPLEMENTED) for k in json.loads(n[len(UNIMPLEMENTED):])}
+    return _without(schema, keys) if keys else schema
+
+
+def _without(node, keys: set, names: bool = False):
+    """`node` without the schema keywords `keys`; `names`: node maps property names to schemas (kept)."""
+    if isinstance(node, list):
+        return [_without(v, keys) for v in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: _without(v, keys, not names and k in SCHEMA_MAPS) for k, v in node.items() if names or k not in keys}
 
 
 def to_chat(req: CountRequest) -> ChatRequest:
     """The chat request this Messages request means (the one engine path serves both)."""
     messages = []
     if req.system:
-        system = req.system if isinstance(req.system, str) else _texts(req.system, "system")
+        blocks = [req.system] if isinstance(req.system, str) else req.system
+        kept = [b for b in blocks if isinstance(b, str) or not (b.text or "").startswith(BILLING)]
+        system = "".join(b if isinstance(b, str) else _texts([b], "system") for b in kept)
         messages.append(Message(role="system", content=system))
     for i, m in enumerate(req.messages):
         if m.role == "user":
             messages += _user(m, i)
+        elif m.role == "system":
+            messages.append(Message(role="system", content=_texts_or_str(m.content, f"messages[{i}].content")))
         else:
             messages.append(_assistant(m, i))
     tools = [t for t in (_tool(t, i) for i, t in enumerate(req.tools or [])) if t is not None]

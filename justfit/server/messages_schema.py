@@ -32,7 +32,7 @@ class Block(_In):
 
 
 class InMessage(_In):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: an instruction mid-conversation (Claude Code sends one)
     content: Union[str, List[Block]]
 
 
