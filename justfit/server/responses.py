@@ -60,7 +60,7 @@ def _session(req: ResponsesRequest, prev, rid: str, store: bool):
 
 def _skeleton(req: ResponsesRequest, srv, rid: str, chat, store: bool) -> dict:
     """The Response object before any output: the request's settings echoed as OpenAI does."""
-    fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
+    fmt = req.text.format.model_dump(by_alias=True, exclude_none=True, exclude_unset=True) if req.text and req.text.format else None
     out = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "background": False, "error": None, "incomplete_details": None, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "model": srv.model_id, "output": [],
