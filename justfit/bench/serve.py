@@ -3,7 +3,9 @@ loopback on the same model folder and driven by the same async httpx client.
 
 Workload: an agent trace per conversation: a system prompt, then `turns` turns that each add a scripted
 tool call and a tool result (growing the history to ~4k tokens at the defaults), each turn a streamed
-greedy reply; conversations run at concurrency 1, 4 and 8 (at concurrency c, c conversations send
+greedy reply, sent through the APIs asked for (`--apis`: chat completions, OpenAI Responses, Anthropic
+Messages; serve_apis.py; mlx_lm.server through chat completions) with `--tools-words` of tool descriptions
+in the system prompt; conversations run at concurrency 1, 4 and 8 (at concurrency c, c conversations send
 their turns at once: justfit batches them in its engine, `max_batch` is the largest batch its /metrics
 saw). Then both servers restart and every conversation sends its next turn (`after-restart`). Timings
 are medians over interleaved rounds (each round starts both servers fresh, in
@@ -24,6 +26,7 @@ from typing import List, Optional
 
 import typer
 
+from .serve_apis import APIS, one_request
 from .stats import percentile, spread
 
 SYSTEM = ("You are a coding agent in a sandboxed repository. Read files before editing them, call one tool "
@@ -50,9 +53,20 @@ def tool_result(turn: int, n_words: int) -> str:
     return f"<tool_response name=\"read_file\">\n# src/mod_{turn}.py\n" + "\n".join(lines) + "\n</tool_response>"
 
 
-def trace(conv: int, turns: int, result_words: int) -> List[List[dict]]:
+def tool_catalog(n_words: int) -> str:
+    """Tool descriptions of about n_words words, as agent CLIs put in their system prompts (0: none)."""
+    lines, i = [], 0
+    while sum(len(x.split()) for x in lines) < n_words:
+        lines.append(f"- tool_{i}(path: string, pattern: string, limit: integer): reads or searches the files "
+                     f"under path for pattern and returns at most limit matches with their line numbers; call it "
+                     f"before editing anything it names, and never with a path outside the repository ({i}).")
+        i += 1
+    return ("\nTools:\n" + "\n".join(lines)) if lines else ""
+
+
+def trace(conv: int, turns: int, result_words: int, tools_words: int = 0) -> List[List[dict]]:
     """The prompt (messages) of each turn of conversation `conv`."""
-    msgs = [{"role": "system", "content": SYSTEM * 3},
+    msgs = [{"role": "system", "content": SYSTEM * 3 + tool_catalog(tools_words)},
             {"role": "user", "content": f"Task {conv}: find why test_render_{conv} fails and fix it."}]
     out = []
     for t in range(turns):
@@ -135,37 +149,9 @@ class Server:
         self.log.close()
 
 
-async def one_request(client, url: str, model: str, messages: List[dict], max_tokens: int, key: str) -> dict:
-    """Stream one reply; TTFT, inter-token gaps, completion and cached tokens."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "prompt_cache_key": key, "prompt_cache_retention": "24h"}
-    start = time.perf_counter()
-    first, last, gaps, pieces, usage = None, None, [], 0, None
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
-            if delta.get("content") or delta.get("tool_calls"):
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                else:
-                    gaps.append(now - last)
-                last, pieces = now, pieces + 1
-    end = time.perf_counter()
-    details = (usage or {}).get("prompt_tokens_details") or {}
-    return {"ttft_s": (first or end) - start, "gaps": gaps, "end": end, "start": start,
-            "completion_tokens": (usage or {}).get("completion_tokens", pieces),
-            "cached_tokens": details.get("cached_tokens")}
-
-
-async def run_phase(url: str, model: str, convs: List[List[List[dict]]], turns: range, max_tokens: int, concurrency: int):
-    """Each conversation runs `turns` in order; `concurrency` conversations at a time."""
+async def run_phase(url: str, api: str, model: str, convs: List[List[List[dict]]], turns: range, max_tokens: int,
+                    concurrency: int):
+    """Each conversation runs `turns` in order through `api`; `concurrency` conversations at a time."""
     import httpx
 
     results = {t: [] for t in turns}
@@ -174,10 +160,19 @@ async def run_phase(url: str, model: str, convs: List[List[List[dict]]], turns: 
         async def conversation(c: int):
             async with sem:
                 for t in turns:
-                    results[t].append(await one_request(client, url, model, convs[c][t], max_tokens, f"bench-{c}"))
+                    rec = await one_request(client, url, api, model, convs[c][t], max_tokens, f"bench-{c}")
+                    results[t].append({**rec, "conv": c, "turn": t})
 
         await asyncio.gather(*(conversation(c) for c in range(len(convs))))
     return results
+
+
+def cached_share(reqs: List[dict], before: List[dict]) -> Optional[float]:
+    """The least share, over conversations, of the previous turn's prompt tokens a turn found cached."""
+    prev = {(r["conv"], r["turn"]): r.get("prompt_tokens") for r in before}
+    shares = [r["cached_tokens"] / prev[r["conv"], r["turn"] - 1] for r in reqs
+              if r.get("cached_tokens") is not None and prev.get((r["conv"], r["turn"] - 1))]
+    return min(shares) if shares else None
 
 
 def summarize(reqs: List[dict]) -> dict:
@@ -191,40 +186,49 @@ def summarize(reqs: List[dict]) -> dict:
             "cached_tokens": sum(cached) if cached else None}
 
 
-def one_round(system: str, folder: str, convs, turns: int, max_tokens: int, concurrency: int) -> List[dict]:
-    """Start the server fresh, run the trace, restart it, run the next turn; rows for this round."""
+def one_round(system: str, api: str, folder: str, convs, turns: int, max_tokens: int, concurrency: int) -> List[dict]:
+    """Start the server fresh, run the trace through `api`, restart it, run the next turn; rows for this round."""
     home = Path(tempfile.mkdtemp(prefix=f"justfit-bench-serve-{system}-"))
     srv = Server(system, folder, home)
     try:
-        res = asyncio.run(run_phase(srv.url, srv.model, convs, range(turns), max_tokens, concurrency))
+        res = asyncio.run(run_phase(srv.url, api, srv.model, convs, range(turns), max_tokens, concurrency))
         rss = srv.peak_rss()  # read before the process (and its /proc entry) goes
         batch = srv.max_batch()
     finally:
         srv.stop()
     restarted = Server(system, folder, home)
     try:
-        after = asyncio.run(run_phase(restarted.url, restarted.model, convs, range(turns, turns + 1), max_tokens, concurrency))
+        after = asyncio.run(run_phase(restarted.url, api, restarted.model, convs, range(turns, turns + 1), max_tokens,
+                                      concurrency))
         rss2 = restarted.peak_rss()
         batch2 = restarted.max_batch()
     finally:
         restarted.stop()
-    base = {"system": system, "concurrency": concurrency, "start_s": srv.start_s, "max_batch": batch}
+    base = {"system": system, "api": api, "concurrency": concurrency, "start_s": srv.start_s, "max_batch": batch}
     first = res[0]
     later = [r for t in range(1, turns) for r in res[t]]
+    everything = [r for t in range(turns) for r in res[t]]
     return [{**base, "workload": "first-turn", **summarize(first), "peak_rss_bytes": rss},
-            {**base, "workload": "later-turns", **summarize(later), "peak_rss_bytes": rss},
+            {**base, "workload": "later-turns", **summarize(later), "peak_rss_bytes": rss,
+             "cached_share_min": cached_share(later, everything)},
             {**base, "workload": "after-restart", **summarize(after[turns]), "peak_rss_bytes": rss2,
-             "start_s": restarted.start_s, "max_batch": batch2}]
+             "cached_share_min": cached_share(after[turns], everything), "start_s": restarted.start_s,
+             "max_batch": batch2}]
 
 
 def serve(
     model: str = typer.Option("default", "--model", "-m", help="Model spec (as for `justfit serve`)."),
     turns: int = typer.Option(10, "--turns", min=2, help="Turns per conversation (history grows each turn)."),
     result_words: int = typer.Option(230, "--result-words", min=10, help="Words per tool result (~300 tokens)."),
+    tools_words: int = typer.Option(0, "--tools-words", min=0, help="Words of tool descriptions in the system "
+                                    "prompt (an agent CLI's tool-laden prefix; ~1.3 tokens a word)."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Tokens per reply."),
     concurrency: str = typer.Option("1,4,8", "--concurrency",
                                     help="Comma-separated concurrency levels (conversations at once)."),
     rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds per system and level."),
+    apis: str = typer.Option("chat", "--apis", help="Comma-separated APIs justfit serve is driven through: chat "
+                             "(completions), responses (OpenAI Responses), messages (Anthropic); mlx_lm.server "
+                             "speaks chat only."),
     quick: bool = typer.Option(False, "--quick", help="Smoke run: at most 3 turns, 40-word tool results, 8 "
                                "tokens and 1 round; concurrency 1,4 unless given."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -244,14 +248,17 @@ def serve(
         raise typer.BadParameter(f"--concurrency takes comma-separated integers, not {concurrency!r}") from None
     if not levels or min(levels) < 1:
         raise typer.BadParameter("--concurrency needs levels >= 1")
-    systems = ["justfit-serve", "mlx-lm-server"]
+    chosen = [a.strip() for a in apis.split(",") if a.strip()]
+    if not chosen or any(a not in APIS for a in chosen):
+        raise typer.BadParameter(f"--apis takes a comma-separated subset of {', '.join(APIS)}, not {apis!r}")
+    systems = [("justfit-serve", a) for a in chosen] + [("mlx-lm-server", "chat")]
     raw = []
     for level in levels:
-        convs = [trace(c, turns, result_words) for c in range(level)]
+        convs = [trace(c, turns, result_words, tools_words) for c in range(level)]
         for r in range(rounds):
-            for system in (systems if r % 2 == 0 else systems[::-1]):
-                _log(f"round {r + 1}/{rounds}: {system} at concurrency {level}")
-                rows = one_round(system, folder, convs, turns, max_tokens, level)
+            for system, api in (systems if r % 2 == 0 else systems[::-1]):
+                _log(f"round {r + 1}/{rounds}: {system} ({api}) at concurrency {level}")
+                rows = one_round(system, api, folder, convs, turns, max_tokens, level)
                 for row in rows:  # each row in full on stderr, so an interrupted run keeps what it measured
                     _log("  " + json.dumps(row))
                 raw += [{**row, "round": r} for row in rows]
@@ -263,7 +270,7 @@ def serve(
         print(json.dumps(out, indent=1))
     else:
         for row in rows:
-            typer.echo(f"{row['system']:<14} {row['workload']:<13} c={row['concurrency']:<2} "
+            typer.echo(f"{row['system']:<14} {row['api']:<9} {row['workload']:<13} c={row['concurrency']:<2} "
                        f"ttft p50 {row['ttft_p50_s']:.3f}s [{row['ttft_p50_s_min']:.3f}-{row['ttft_p50_s_max']:.3f}] "
                        f"tok/s {row['throughput_tok_s']:.1f}  rss {(row['peak_rss_bytes'] or 0) / 1e6:.0f} MB"
                        + (f"  batch<={row['max_batch']:.0f}" if row["max_batch"] is not None else ""))
@@ -271,16 +278,16 @@ def serve(
 
 
 METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "throughput_tok_s", "cached_tokens",
-           "peak_rss_bytes", "start_s", "max_batch")
+           "cached_share_min", "peak_rss_bytes", "start_s", "max_batch")
 
 
 def aggregate(raw: List[dict]) -> List[dict]:
     """Median over rounds per (system, workload, concurrency), with _min and _max."""
-    keys = sorted({(r["system"], r["workload"], r["concurrency"]) for r in raw})
+    keys = sorted({(r["system"], r["api"], r["workload"], r["concurrency"]) for r in raw})
     out = []
-    for system, workload, level in keys:
-        group = [r for r in raw if (r["system"], r["workload"], r["concurrency"]) == (system, workload, level)]
-        row = {"system": system, "workload": workload, "concurrency": level, "rounds": len(group)}
+    for system, api, workload, level in keys:
+        group = [r for r in raw if (r["system"], r["api"], r["workload"], r["concurrency"]) == (system, api, workload, level)]
+        row = {"system": system, "api": api, "workload": workload, "concurrency": level, "rounds": len(group)}
         for m in METRICS:
             row.update(spread(m, [r.get(m) for r in group]))
         out.append(row)
@@ -288,15 +295,25 @@ def aggregate(raw: List[dict]) -> List[dict]:
 
 
 def ratios(rows: List[dict]) -> dict:
-    """justfit / mlx-lm on the measures the bench compares (lower is better except throughput)."""
-    def get(system, workload, level, m):
-        return next((r[m] for r in rows if (r["system"], r["workload"], r["concurrency"]) == (system, workload, level)), None)
+    """justfit (each API) / mlx-lm on the measures the bench compares (lower is better except throughput),
+    and each system's later-turn and after-restart TTFT over its first turn's."""
+    def get(system, api, workload, level, m):
+        return next((r[m] for r in rows if (r["system"], r["api"], r["workload"], r["concurrency"])
+                     == (system, api, workload, level)), None)
 
     out = {}
     for level in sorted({r["concurrency"] for r in rows}):
-        for workload, m in (("later-turns", "ttft_p50_s"), ("later-turns", "throughput_tok_s"),
-                            ("later-turns", "peak_rss_bytes"), ("after-restart", "ttft_p50_s")):
-            a, b = get("justfit-serve", workload, level, m), get("mlx-lm-server", workload, level, m)
-            if a is not None and b:
-                out[f"{workload}.{m}.c{level}"] = a / b
+        for system, api in sorted({(r["system"], r["api"]) for r in rows}):
+            first = get(system, api, "first-turn", level, "ttft_p50_s")
+            for workload in ("later-turns", "after-restart"):
+                t = get(system, api, workload, level, "ttft_p50_s")
+                if first and t is not None:
+                    out[f"{system}.{api}.{workload}_over_first.ttft_p50_s.c{level}"] = t / first
+            if system != "justfit-serve":
+                continue
+            for workload, m in (("later-turns", "ttft_p50_s"), ("later-turns", "throughput_tok_s"),
+                                ("later-turns", "peak_rss_bytes"), ("after-restart", "ttft_p50_s")):
+                a, b = get(system, api, workload, level, m), get("mlx-lm-server", "chat", workload, level, m)
+                if a is not None and b:
+                    out[f"{api}.{workload}.{m}.c{level}_over_mlx_lm"] = a / b
     return out
