@@ -180,6 +180,7 @@ def serve(
     kv_bits: KVBits = typer.Option(KVBits.four, "--kv-bits", help="KV cache precision: 4, 8 or 16 (full)."),
     kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Bytes, '4GB', or a fraction/percent of RAM."),
+    sessions_max_bytes: Optional[str] = typer.Option(None, "--sessions-max-bytes", metavar="SIZE", envvar="JUSTFIT_SESSIONS_MAX_BYTES", help="Disk quota for persisted sessions (e.g. 2GB): after a checkpoint over it, the least recently used unpinned sessions no process has open are removed (as `justfit sessions gc --max-bytes`)."),
 ):
     """Serve the model over the OpenAI HTTP API (chat and text completions, tools, JSON output, sessions).
 
@@ -193,11 +194,15 @@ def serve(
 
     from .distributed import launched
 
+    from .statetrans.quota import parse_size
+
     check_bind(host, api_key)
+    quota = None if sessions_max_bytes is None else parse_size(sessions_max_bytes, "--sessions-max-bytes")
     if launched() and idle_release:  # under mlx.launch every rank runs this command
         raise UserError("--idle-release is not supported under mlx.launch yet (the ranks would release at different times)")
     fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
     rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget))
+    rt.index.store.sessions_cap = quota
     options = dict(api_key=api_key, cors=cors, persist=persist, idle_release=idle_release, max_queue=max_queue,
                    max_body=max_body, header_timeout=header_timeout, body_timeout=body_timeout,
                    max_connections=max_connections, max_client_connections=max_client_connections)

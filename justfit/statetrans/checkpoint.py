@@ -84,7 +84,8 @@ def _part_counts(names) -> Dict[Tuple[str, str], int]:
 
 def commit(store: PageStore, home: Path, manifest: Manifest, new_pages: List[Tuple[str, dict, dict]],
            checksums: Dict[str, str], keep=None) -> int:
-    """Write pages not yet on disk, then the manifest, under the store lock; evict over the disk cap.
+    """Write pages not yet on disk, then the manifest, under the store lock; evict over the disk cap and
+    the session quota (least recently used other sessions, quota.py).
     `checksums` maps block hash -> file sha256 and is updated. Returns bytes written."""
     written = 0
     with store.lock():
@@ -104,4 +105,8 @@ def commit(store: PageStore, home: Path, manifest: Manifest, new_pages: List[Tup
             written += len(manifest.to_bytes())
         if store.disk_cap is not None:
             store.evict(store.disk_cap, keep or ())
+        if manifest is not None and store.sessions_cap is not None:
+            from .quota import evict_sessions
+
+            evict_sessions(home, store.sessions_cap, keep=[manifest.name], live=store)
     return written

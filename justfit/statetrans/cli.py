@@ -1,4 +1,4 @@
-"""`justfit sessions list|show|rm|gc`: inspect and clean the session store (no MLX import)."""
+"""`justfit sessions list|show|rm|pin|unpin|gc`: inspect and clean the session store (no MLX import)."""
 
 import os
 import time
@@ -8,7 +8,7 @@ import typer
 
 from ..errors import UserError
 
-app = typer.Typer(no_args_is_help=True, help="Persisted sessions: list, show, remove, garbage-collect the store.")
+app = typer.Typer(no_args_is_help=True, help="Persisted sessions: list, show, remove, pin, garbage-collect the store.")
 
 
 def _home() -> Path:
@@ -43,16 +43,18 @@ def _ago(t: float) -> str:
 def list_sessions():
     """Sessions with their tokens, pages, bytes on disk and last use."""
     from .manifest import list_manifests
+    from .quota import is_pinned
 
     home = _home()
     rows = list_manifests(home)
     if not rows:
         typer.echo(f"no sessions under {home / 'sessions'}")
         return
-    typer.echo(f"{'NAME':<24} {'TOKENS':>7} {'PAGES':>5} {'DISK':>9} {'KV':<10} {'LAST USE':<10} MODEL")
+    typer.echo(f"{'NAME':<24} {'TOKENS':>7} {'PAGES':>5} {'DISK':>9} {'KV':<10} {'LAST USE':<10} {'PIN':<3} MODEL")
     for m in rows:
+        pin = "yes" if is_pinned(home, m.name) else "-"
         typer.echo(f"{m.name:<24} {len(m.tokens):>7} {len(m.pages):>5} {_disk_bytes(home, m) / 1e6:>7.1f}MB "
-                   f"{m.kv.get('name', '?'):<10} {_ago(m.updated):<10} {m.model or m.model_fingerprint}")
+                   f"{m.kv.get('name', '?'):<10} {_ago(m.updated):<10} {pin:<3} {m.model or m.model_fingerprint}")
 
 
 @app.command("show")
@@ -77,41 +79,82 @@ def show(name: str = typer.Argument(..., help="Session name.")):
 
 @app.command("rm")
 def rm(name: str = typer.Argument(..., help="Session name.")):
-    """Remove a session's manifest (its pages go at the next `gc` or disk eviction)."""
+    """Remove a session's manifest and pin (its pages go at the next `gc` or disk eviction)."""
     from .manifest import remove_manifest
+    from .quota import set_pinned
 
     if not remove_manifest(_home(), name):
         raise UserError(f"no session named {name!r} (see `justfit sessions list`)")
+    set_pinned(_home(), name, False)
     typer.echo(f"removed session {name!r}")
 
 
-@app.command("gc")
-def gc(max_bytes: int = typer.Option(None, "--max-bytes", min=0,
-                                     help="Also evict least recently used pages, even ones sessions use, "
-                                          "until the store holds at most this many bytes (those sessions "
-                                          "recompute them from their tokens).")):
-    """Delete pages no session references and stale temp files; optionally shrink the store further."""
-    from .manifest import list_manifests, sessions_dir
-    from .store import PageStore
+def _existing(name: str) -> Path:
+    from .manifest import _prev_path, manifest_path
 
     home = _home()
-    live = {p["hash"] for m in list_manifests(home) for p in m.pages}
+    path = manifest_path(home, name)
+    if not (os.path.lexists(path) or os.path.lexists(_prev_path(path))):
+        raise UserError(f"no session named {name!r} (see `justfit sessions list`)")
+    return home
+
+
+@app.command("pin")
+def pin(name: str = typer.Argument(..., help="Session name.")):
+    """Pin a session: `gc --max-bytes` and the server's --sessions-max-bytes quota never evict it."""
+    from .quota import set_pinned
+
+    set_pinned(_existing(name), name, True)
+    typer.echo(f"pinned session {name!r}")
+
+
+@app.command("unpin")
+def unpin(name: str = typer.Argument(..., help="Session name.")):
+    """Unpin a session: the quota may evict it again (least recently used first)."""
+    from .quota import set_pinned
+
+    set_pinned(_existing(name), name, False)
+    typer.echo(f"unpinned session {name!r}")
+
+
+@app.command("gc")
+def gc(max_bytes: str = typer.Option(None, "--max-bytes", metavar="SIZE",
+                                     help="Disk quota for the store, e.g. 500MB, 2GiB or bytes: after the "
+                                          "cleanup, remove whole sessions, least recently used first, until "
+                                          "pages and manifests fit. Pinned sessions (`justfit sessions pin`) "
+                                          "and sessions a running process has open are never removed; a page "
+                                          "shared with a remaining session stays.")):
+    """Delete pages no session references and stale temp files; with --max-bytes, evict sessions too.
+
+    Prints each removed session and the bytes freed."""
+    from .manifest import list_manifests, sessions_dir
+    from .quota import evict_sessions, parse_size
+    from .store import PageStore
+
+    cap = None if max_bytes is None else parse_size(max_bytes, "--max-bytes")
+    home = _home()
     root = home / "store"
     freed = removed = 0
     stores = [PageStore(d, root / "lock") for d in sorted(root.iterdir()) if d.is_dir()] if root.is_dir() else []
-    for store in stores:
-        with store.lock():
+    with PageStore(root, root / "lock").lock():
+        live = {p["hash"] for m in list_manifests(home) for p in m.pages + ([m.open_page] if m.open_page else [])}
+        for store in stores:
             for h, n, _ in store.pages():
                 if h not in live:
                     store.path(h).unlink(missing_ok=True)
                     freed, removed = freed + n, removed + 1
             removed += _clear_tmp(store.root / "tmp")
-    _clear_tmp(sessions_dir(home) / ".tmp")
-    if max_bytes is not None:
-        for store in stores:
-            with store.lock():
-                freed += store.evict(max_bytes)
+        _clear_tmp(sessions_dir(home) / ".tmp")
+        evicted = evict_sessions(home, cap) if cap is not None else None
+    if evicted is not None:
+        for name, n in evicted.sessions:
+            typer.echo(f"removed session {name!r} ({n / 1e6:.1f} MB)")
+        removed += evicted.pages
+        freed += evicted.freed
     typer.echo(f"gc: removed {removed} files, freed {freed / 1e6:.1f} MB")
+    if evicted is not None and evicted.usage > cap:
+        typer.echo(f"gc: the store still holds {evicted.usage / 1e6:.1f} MB, over the {cap / 1e6:.1f} MB quota: "
+                   "the rest is pinned or open in a running process")
 
 
 def _clear_tmp(folder: Path, age_s: float = 3600) -> int:

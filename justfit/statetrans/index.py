@@ -237,8 +237,8 @@ class PrefixIndex:
         return sum(self.pool.refs.values()) - own
 
     def live_pages(self) -> set:
-        """Block hashes referenced by any session manifest (disk eviction keeps them)."""
-        return {p["hash"] for m in list_manifests(self.home) for p in m.pages}
+        """Block hashes (open pages' too) referenced by any session manifest (disk eviction keeps them)."""
+        return {p["hash"] for m in list_manifests(self.home) for p in m.pages + ([m.open_page] if m.open_page else [])}
 
 
 def common_prefix(a, b, limit: Optional[int] = None) -> int:

@@ -150,6 +150,7 @@ class PageStore:
 
     def __init__(self, root: Path, lock_path: Path, disk_cap: Optional[int] = None):
         self.root, self.lock_path, self.disk_cap = Path(root), Path(lock_path), disk_cap
+        self.sessions_cap: Optional[int] = None  # session quota in bytes (quota.py), run after each commit
         self.known = set()  # hashes this process has seen on disk (skips a stat per checkpoint)
 
     def path(self, h: str) -> Path:
@@ -182,9 +183,12 @@ class PageStore:
 
     def has_valid(self, h: str) -> bool:
         """has(), except that a file this process has not seen yet must be a valid page of hash h: a torn
-        or wrong file at the path counts as absent, so the next write replaces it."""
+        or wrong file at the path counts as absent, so the next write replaces it. A page this process
+        knows is only checked to still exist (another process may have evicted it: it is written again)."""
         if h in self.known:
-            return True
+            if os.path.exists(self.path(h)):
+                return True
+            self.known.discard(h)
         if self.valid_sha256(h) is None:
             return False
         self.known.add(h)

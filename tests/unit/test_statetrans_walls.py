@@ -7,14 +7,17 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from justfit.cli import app
 from justfit.errors import UserError
 from justfit.statetrans.lock import SessionInUse, acquire, lock_path, release
-from justfit.statetrans.manifest import Manifest, commit_counter, manifest_path, read_manifest, write_manifest
+from justfit.statetrans.manifest import Manifest, commit_counter, list_manifests, manifest_path, read_manifest, write_manifest
 from justfit.statetrans.store import PageStore, decode_header
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,3 +147,72 @@ def test_a_holder_remakes_its_deleted_lock_file(tmp_path):
     finally:
         release(home, "k6")
     assert not lock_path(home, "k6").exists()
+
+
+# -- a disk quota: least recently used unpinned sessions go, shared pages stay while used ---------------------
+def _sessions(home, names, shared="ee" * 32):
+    """Sessions committed in order (oldest first), each with one page of its own and one shared page."""
+    from justfit.statetrans.checkpoint import commit
+
+    store = PageStore(home / "store" / "fp", home / "store" / "lock")
+    for i, name in enumerate(names):
+        own = f"{i + 1:02x}" * 32
+        commit(store, home, manifest(name, 8, [shared, own]), [(shared, *page(9.0)), (own, *page(float(i)))], {})
+        release(home, name)  # the commit took the session's lock, as a new session's first one does: closed
+        time.sleep(0.01)  # distinct commit times: the LRU order
+    return store
+
+
+def test_gc_max_bytes_evicts_least_recently_used_unpinned_sessions(tmp_path, monkeypatch):
+    from justfit.statetrans.quota import usage
+
+    home = tmp_path
+    monkeypatch.setenv("JUSTFIT_HOME", str(home))
+    store = _sessions(home, ["pinned", "open", "old", "mid", "new"])
+    r = CliRunner()
+    assert r.invoke(app, ["sessions", "pin", "pinned"]).exit_code == 0
+    assert r.invoke(app, ["sessions", "pin", "nope"]).exit_code == 2
+    old_bytes = manifest_path(home, "old").stat().st_size + store.path("03" * 32).stat().st_size
+    holder = _py(HOLDER.replace("'k5'", "'open'"), home, stdin=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        out = r.invoke(app, ["sessions", "gc", "--max-bytes", str(usage(home) - old_bytes)])
+    finally:
+        holder.communicate(input="", timeout=60)
+    assert out.exit_code == 0, out.output
+    # (before: --max-bytes evicted single pages, least recently read, and never a session)
+    assert "removed session 'old'" in out.output and "freed" in out.output, out.output
+    names = {m.name for m in list_manifests(home)}
+    assert names == {"pinned", "open", "mid", "new"}
+    assert not store.path("03" * 32).exists() and store.path("ee" * 32).exists()  # its own page went, the shared stayed
+    out = r.invoke(app, ["sessions", "gc", "--max-bytes", "0"])  # everything not pinned (nothing is open now)
+    assert {m.name for m in list_manifests(home)} == {"pinned"}
+    assert store.path("ee" * 32).exists() and store.path("01" * 32).exists() and not store.path("05" * 32).exists()
+    assert "over the 0.0 MB quota" in out.output
+    assert r.invoke(app, ["sessions", "gc", "--max-bytes", "lots"]).exit_code == 2
+
+
+def test_commits_over_the_quota_evict_other_sessions(tmp_path):
+    from justfit.statetrans.checkpoint import commit
+    from justfit.statetrans.quota import usage
+
+    home = tmp_path
+    store = _sessions(home, ["a"])
+    store.sessions_cap = usage(home) * 3  # room for about three sessions
+    for i, name in enumerate(["b", "c", "d", "e", "f"]):
+        own = f"{i + 10:02x}" * 32
+        commit(store, home, manifest(name, 8, ["ee" * 32, own]), [(own, *page(float(i)))], {})
+        assert usage(home) <= store.sessions_cap
+        release(home, name)
+        time.sleep(0.01)
+    left = {m.name for m in list_manifests(home)}
+    assert "f" in left and "a" not in left and 2 <= len(left) <= 4, left
+
+
+def test_serve_quota_option_is_a_size(monkeypatch):
+    r = CliRunner()
+    assert "--sessions-max-bytes" in r.invoke(app, ["serve", "--help"]).output
+    out = r.invoke(app, ["serve", "--sessions-max-bytes", "lots"])
+    assert out.exit_code == 2 and "--sessions-max-bytes 'lots' is not a size" in out.output
+    monkeypatch.setenv("JUSTFIT_SESSIONS_MAX_BYTES", "10 parsecs")
+    assert r.invoke(app, ["serve"]).exit_code == 2
