@@ -43,12 +43,13 @@ def keep_alive_seconds(value) -> Optional[float]:
 
 
 def _keep_alive(srv, body) -> Optional[float]:
-    """Apply a request's keep_alive to the server (it holds until another request sets one)."""
-    if body.keep_alive is None:
-        return None
-    seconds = keep_alive_seconds(body.keep_alive)
-    srv.worker.keep_alive(seconds)
-    return seconds
+    """Apply a request's keep_alive to the server; absent, the server's own (--idle-release), as Ollama
+    falls back to its default. The seconds asked, or None when absent or forever."""
+    worker = srv.worker
+    seconds = worker.idle_default if body.keep_alive is None else keep_alive_seconds(body.keep_alive)
+    if seconds != worker.idle_release:
+        worker.keep_alive(seconds)
+    return None if body.keep_alive is None else seconds
 
 
 def budget(srv, options, n_prompt: int) -> int:

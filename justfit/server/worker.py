@@ -98,6 +98,7 @@ class Worker:
                  persist: bool = False):
         self.rt, self.metrics, self.max_queue = rt, metrics, max_queue
         self.idle_release, self.persist = idle_release, persist
+        self.idle_default = idle_release  # what keep_alive() returns to when a request does not ask
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.sessions: dict = {}
         self.engine = None  # made on the thread

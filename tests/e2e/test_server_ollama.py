@@ -3,6 +3,7 @@ and generate (streamed and not), tags, show, ps, version, a streamed tool call, 
 schema, keep_alive 0 releasing the weights, and errors in Ollama's `{"error": "..."}` shape."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -126,7 +127,16 @@ def test_streamed_tool_call_arguments_parse(client):
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
     assert calls[0].function.arguments == {"city": "Paris"}  # an object, as Ollama sends it
     assert parts[-1].done and parts[-1].done_reason == "stop" and not parts[-1].message.tool_calls
-    r = client.chat(model=NAME, tools=[WEATHER], messages=history, options={"temperature": 0, "num_predict": 40})
+
+    def get_weather(city: str) -> str:
+        """Current weather for a city.
+
+        Args:
+          city: The city's name
+        """
+
+    # not streamed, with the tool as the client derives it from a Python function
+    r = client.chat(model=NAME, tools=[get_weather], messages=history, options={"temperature": 0, "num_predict": 40})
     assert r.message.tool_calls[0].function.arguments == {"city": "Paris"} and not r.message.content
 
 
@@ -167,18 +177,18 @@ def test_errors_in_ollama_shape(client, server):
 
 
 def test_keep_alive_zero_releases_and_the_next_request_reloads(client, server, serve_runtime):
-    assert [m.model for m in client.ps().models] == [NAME]
+    assert client.generate(model=NAME, keep_alive="5m").done_reason == "load"  # Ollama's load call
+    (model,) = client.ps().models
+    left = model.expires_at.timestamp() - time.time()
+    assert model.model == NAME and 240 < left <= 300
     before = serve_runtime.residency()["resident_bytes"]
     r = client.generate(model=NAME, keep_alive=0)  # Ollama's unload call: no prompt, keep_alive 0
     assert r.done and r.done_reason == "unload"
     assert client.ps().models == []
     assert serve_runtime.residency()["resident_bytes"] < before
-    try:
-        r = client.chat(model=NAME, messages=[{"role": "user", "content": "Say hello."}], options=GREEDY,
-                        keep_alive=-1)  # and keep the weights for the rest of the module
-        assert r.done and r.message.content
-    finally:
-        client.generate(model=NAME, keep_alive=-1)
+    # a request without keep_alive reloads and goes back to the server's own setting (here: never release)
+    r = client.chat(model=NAME, messages=[{"role": "user", "content": "Say hello."}], options=GREEDY)
+    assert r.done and r.message.content
     shown = client.ps().models
     assert [m.model for m in shown] == [NAME] and shown[0].size_vram == 0 and shown[0].size > 0
     assert shown[0].expires_at.year > 2200  # keep_alive -1: a far-off expiry
