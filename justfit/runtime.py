@@ -160,11 +160,14 @@ class Runtime:
         self.last_stats = stats
         return Turn(self._turn(tokens, cache, max_tokens, reused_tokens, sampling, stats, progress, fed), stats)
 
-    def submit_turn(self, tokens: List[int], cache: list, max_tokens: int, reused_tokens: int, sampling: Sampling,
-                    stats: TurnStats, progress: Optional[Callable] = None, on_done: Optional[Callable] = None):
+    def submit_turn(self, tokens: List[int], cache: list, max_tokens: int, reused_tokens: int, stats: TurnStats,
+                    progress: Optional[Callable] = None, on_done: Optional[Callable] = None,
+                    sampling: Optional[Sampling] = None, **options):
         """Queue a turn on caller-owned caches holding tokens[:reused_tokens] (a session's, a prefix lookup's)
         as a request of the engine core; on_done(request) runs once it is finished and the caches hold the
-        whole turn. Iterate the returned Request for Chunks (that steps the engine), or step it with others."""
+        whole turn; sampling: a Sampling, or its fields as options. Iterate the returned Request for Chunks
+        (that steps the engine), or step it with others."""
+        sampling = sampling if sampling is not None else Sampling(**options)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
         if not tokens:
@@ -176,7 +179,7 @@ class Runtime:
                                           stats=stats, sampling=sampling, on_done=on_done)
 
     def _turn(self, tokens, cache, max_tokens, reused, sampling, stats, progress, fed) -> Iterator[Chunk]:
-        req = self.submit_turn(tokens, cache, max_tokens, reused, sampling, stats, progress)
+        req = self.submit_turn(tokens, cache, max_tokens, reused, stats, progress, sampling=sampling)
         try:
             for chunk in req:  # (not `yield from`: closing this turn must not close the request's text)
                 yield chunk

@@ -169,8 +169,6 @@ class Session:
         """Queue a turn on this session's own caches as a request of the runtime's engine core and return
         it: iterate it (steps the engine) or let a front step it beside others. When it finishes the
         session records the reply (and the template's closing tokens) and checkpoints; one turn at a time."""
-        from ..engine import Sampling
-
         self._check_open()
         if self.running is not None:
             raise UserError(f"session {self.name!r} already has a turn running; one turn at a time")
@@ -179,7 +177,6 @@ class Session:
         if not delta:
             raise UserError("nothing to generate from: the new turn renders to no tokens")
         progress = options.pop("progress", None)
-        sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed, **options)
         stats = stats if stats is not None else TurnStats()
         before = len(self.tokens)
         self.tokens += delta
@@ -192,8 +189,9 @@ class Session:
             ckpt_s, written = self._long_prefill(progress)
             turn = {"prompt": list(self.tokens), "msgs": new_msgs, "reused": reused, "checkpoint_s": ckpt_s,
                     "written": written, "start": start}
-            self.running = self.rt.submit_turn(self.tokens, self.cache, max_tokens, self.kv_tokens, sampling,
-                                               stats, progress, on_done=lambda req: self._turn_done(req, turn))
+            self.running = self.rt.submit_turn(self.tokens, self.cache, max_tokens, self.kv_tokens, stats, progress,
+                                               on_done=lambda req: self._turn_done(req, turn),
+                                               temperature=temperature, top_p=top_p, seed=seed, **options)
         except BaseException:  # refused or interrupted before it ran: the history is as it was (pages
             self.tokens = self.tokens[:before]  # checkpointed by a long prefill stay in the store for a retry)
             self._trim_kv(before)
