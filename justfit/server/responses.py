@@ -144,7 +144,7 @@ async def _sse(events, job, out: Output):
         async for ev in events:
             yield _line(ev)
     except APIError as e:
-        yield _line(out.failed(e.code, e.message))
+        yield _line(out.failed(e.status, e.message))
     finally:
         job.cancelled.set()
         await events.aclose()

@@ -89,10 +89,11 @@ class Output:
         events.append(self._event("response.incomplete" if cut else "response.completed", response=self.response))
         return events
 
-    def failed(self, code: Optional[str], message: str) -> dict:
-        """The response.failed event for an error after the stream began."""
-        self.response.update(status="failed", error={"code": "server_error" if code is None else code,
-                                                     "message": message})
+    def failed(self, status: int, message: str) -> dict:
+        """The response.failed event for an error after the stream began. `error.code` takes one of the
+        values OpenAI's spec allows: `invalid_prompt` for the client's mistakes, else `server_error`."""
+        code = "invalid_prompt" if 400 <= status < 500 and status != 429 else "server_error"
+        self.response.update(status="failed", error={"code": code, "message": message})
         return self._event("response.failed", response=self.response)
 
     def assistant_message(self) -> dict:
