@@ -17,7 +17,7 @@ from .deltas import Reply
 from .errors import APIError
 from .flow import cancel_on_disconnect, run_job
 from .ollama_info import check_model, iso, ollama_name
-from .ollama_schema import ChatBody, GenerateBody, engine_request
+from .ollama_schema import ChatBody, GenerateBody, engine_request, read_body
 
 router = APIRouter()
 UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -112,7 +112,8 @@ def _head(srv) -> dict:
 
 
 @router.post("/api/chat")
-async def chat(body: ChatBody, request: Request):
+async def chat(request: Request):
+    body = await read_body(request, ChatBody)
     srv = request.app.state.server
     check_model(srv, body.model)
     kept = _keep_alive(srv, body)
@@ -142,7 +143,8 @@ async def chat(body: ChatBody, request: Request):
 
 
 @router.post("/api/generate")
-async def generate(body: GenerateBody, request: Request):
+async def generate(request: Request):
+    body = await read_body(request, GenerateBody)
     srv = request.app.state.server
     check_model(srv, body.model)
     for field in ("suffix", "template", "images", "context"):

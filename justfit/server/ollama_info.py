@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from .errors import APIError
-from .ollama_schema import ShowBody
+from .ollama_schema import ShowBody, read_body
 
 router = APIRouter()
 VERSION = "0.12.0"  # the Ollama API version whose shapes these routes follow
@@ -116,7 +116,8 @@ async def tags(request: Request):
 
 
 @router.post("/api/show")
-async def show(body: ShowBody, request: Request):
+async def show(request: Request):
+    body = await read_body(request, ShowBody)
     srv = request.app.state.server
     name = body.model or body.name
     if not name:

@@ -7,10 +7,12 @@ request's, so a bad value is a 400 naming the field before any work is done.
 
 from typing import Any, Dict, List, Literal, Optional, Union
 
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import APIError
-from .limits import check_schema, check_value
+from .limits import LimitError, check_schema, check_value, parse_json
 from .schema import ChatRequest, Tool
 
 
@@ -95,6 +97,22 @@ class ShowBody(_In):
     model: Optional[str] = None
     name: Optional[str] = None  # the field's name before Ollama renamed it `model`
     verbose: bool = False
+
+
+async def read_body(request: Request, model):
+    """The body as JSON whatever its content type: Ollama reads it so, and its documentation's
+    `curl URL -d '{...}'` sends it form-typed. Problems answer as FastAPI's own validation does."""
+    raw = await request.body()
+    try:
+        data = parse_json(raw.decode("utf-8")) if raw.strip() else {}
+    except LimitError as e:
+        raise APIError(400, f"the request body is beyond a limit: {e.message}") from None
+    except ValueError as e:  # not JSON, not UTF-8, or a number beyond the limits
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
 
 
 class EngineRequest(ChatRequest):

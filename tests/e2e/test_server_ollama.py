@@ -101,6 +101,16 @@ def test_stream_is_the_default_and_ndjson(server):
     assert "context" not in lines[-1]  # no token context to hand back (documented)
 
 
+def test_body_read_as_json_whatever_its_content_type(server):
+    """Ollama's documented `curl URL -d '{...}'` sends the JSON form-typed; Ollama reads it all the same."""
+    body = json.dumps({"model": NAME, "prompt": "hi", "stream": False, "options": GREEDY})
+    r = server.http.post("/api/generate", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["done"]
+    r = server.http.post("/api/show", content=json.dumps({"model": NAME}),
+                         headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["details"]["family"] == "llama"
+
+
 def test_generate_system_raw_and_stream(client):
     r = client.generate(model=NAME, prompt="Count: one, two,", system="Answer in English.", options=GREEDY)
     durations_ok(r)
@@ -170,6 +180,9 @@ def test_errors_in_ollama_shape(client, server):
     assert "keep_alive" in error("/api/chat", {"model": NAME, "messages": msg, "keep_alive": "soon"})
     assert "messages" in error("/api/chat", {"model": NAME, "messages": "hi"})
     assert "template" in error("/api/generate", {"model": NAME, "prompt": "hi", "template": "{{ .Prompt }}"})
+    assert "model" in error("/api/chat", {"messages": msg})
+    r = server.http.post("/api/chat", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
     assert error("/api/show", {"model": "x"}, 404) == "model 'x' not found"
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="nope", messages=msg)
