@@ -34,8 +34,8 @@ def text_of(content, where: str) -> str:
         return content or ""
     out = []
     for j, part in enumerate(content):
-        if part.type in TEXT_PARTS and part.text is not None:
-            out.append(part.text)
+        if part.type in TEXT_PARTS:
+            out.append(part.text or "")
         elif part.type != "refusal":
             raise _error(f"content part type {part.type!r} is not supported: this model reads text only",
                          f"{where}[{j}].type", "unsupported_content")

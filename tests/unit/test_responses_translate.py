@@ -126,3 +126,8 @@ def test_an_error_after_the_start_is_a_failed_event():
         "code": "server_error", "message": "out of memory budget"}
     errors = list(openapi_validator("ResponseFailedEvent").iter_errors(last))
     assert not errors, errors[0].message
+
+
+def test_a_text_part_without_text_is_empty_text():
+    chat, _ = translate(input=[{"role": "user", "content": [{"type": "input_text"}, {"type": "input_text", "text": "hi"}]}])
+    assert chat.messages[0].content == "hi"
