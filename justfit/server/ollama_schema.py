@@ -71,10 +71,12 @@ class _Generating(_In):
     @classmethod
     def _within_limits(cls, data):
         """The whole body within limits.py's nesting, number and text limits; a JSON schema `format`
-        within the schema limits."""
+        within the schema limits. A field sent as null takes its default, as in Ollama."""
         check_value(data)
-        if isinstance(data, dict) and isinstance(data.get("format"), dict):
-            check_schema(data["format"])
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None}
+            if isinstance(data.get("format"), dict):
+                check_schema(data["format"])
         return data
 
 

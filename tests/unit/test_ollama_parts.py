@@ -59,7 +59,9 @@ def test_messages_tool_calls_and_results():
 
 def test_options_reach_the_engine_request_with_ollama_defaults():
     msgs = [{"role": "user", "content": "hi"}]
-    req = engine_request("m", msgs, ChatBody(model="m", messages=msgs))
+    body = ChatBody.model_validate({"model": "m", "messages": msgs, "options": None, "stream": None, "format": None})
+    assert body.stream and body.options == Options()  # null is the default, as in Ollama
+    req = engine_request("m", msgs, body)
     assert (req.temperature, req.top_k, req.top_p, req.seed, req.repetition_penalty) == (0.8, 40, 0.9, None, None)
     body = ChatBody(model="m", messages=msgs, format={"type": "object"}, options={
         "temperature": 0, "top_k": 5, "top_p": 0.5, "seed": -1, "repeat_penalty": 1.2, "stop": ["x"], "mirostat": 2})
