@@ -197,6 +197,7 @@ def serve(
     from .statetrans.quota import parse_size
 
     check_bind(host, api_key)
+    _check_port(host, port)
     quota = None if sessions_max_bytes is None else parse_size(sessions_max_bytes, "--sessions-max-bytes")
     if launched() and idle_release:  # under mlx.launch every rank runs this command
         raise UserError("--idle-release is not supported under mlx.launch yet (the ranks would release at different times)")
@@ -219,6 +220,27 @@ def serve(
             os._exit(1)
         return
     run_server(rt, host, port, **options)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Bind the address once before the model loads, as the server will (SO_REUSEADDR, like uvicorn), so a
+    busy port is one line and exit code 2 up front, not a traceback after a minute of loading."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is in use (another server?); choose one with --port") from None
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 @models_app.command("list")

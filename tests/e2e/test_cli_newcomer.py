@@ -1,0 +1,24 @@
+"""What a newcomer meets on the command line: mistakes and no-op options are one line each (exit code 2
+for an error), before any model loads."""
+
+import os
+import socket
+import subprocess
+import sys
+
+
+def _justfit(*args, home, stdin: str = "", timeout: float = 300):
+    env = dict(os.environ, JUSTFIT_HOME=str(home))
+    return subprocess.run([sys.executable, "-m", "justfit", *args], input=stdin, capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_serve_on_a_busy_port_is_one_line_exit_2(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = _justfit("serve", "--port", str(port), home=tmp_path, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in r.stderr
