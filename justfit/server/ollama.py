@@ -99,12 +99,12 @@ class Turn:
 
     def closing(self, call, stats: dict) -> dict:
         total = time.perf_counter() - self.start
-        first = min(total, stats.get("queue_s", 0.0) + stats.get("ttft_s", 0.0))
+        first = min(total, stats.get("ttft_s", 0.0))  # from submission: queue, prefill, first token
         reason = "length" if call is None and stats.get("finish_reason") == "length" else "stop"
         return {"done": True, "done_reason": reason, "total_duration": int(total * 1e9),
                 "load_duration": int(stats.get("reload_s", 0.0) * 1e9), "prompt_eval_count": self.n_prompt,
-                "prompt_eval_duration": int(first * 1e9), "eval_count": stats.get("generated_tokens", 0),
-                "eval_duration": int((total - first) * 1e9)}
+                "prompt_eval_duration": int(max(0.0, first - stats.get("queue_s", 0.0)) * 1e9),
+                "eval_count": stats.get("generated_tokens", 0), "eval_duration": int((total - first) * 1e9)}
 
 
 def _head(srv) -> dict:

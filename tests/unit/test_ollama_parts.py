@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from justfit.server.errors import APIError, error_body
-from justfit.server.ollama import budget, chat_messages, keep_alive_seconds
+from justfit.server.ollama import Turn, budget, chat_messages, keep_alive_seconds
 from justfit.server.ollama_info import _parameters, check_model
 from justfit.server.ollama_schema import ChatBody, Options, engine_request
 
@@ -96,3 +96,14 @@ def test_parameter_count_from_the_header(tmp_path):
     f.write_bytes(struct.pack("<Q", len(raw)) + raw)
     # q: 32 words of 4-bit values; e: 8 words of 8-bit values (a per-layer override); norm: 16 plain
     assert _parameters(f, {"bits": 4, "e": {"bits": 8}}) == 32 * 8 + 8 * 4 + 16
+
+
+def test_closing_fields_in_nanoseconds():
+    turn = Turn(None, 12)
+    turn.start -= 1.0  # a reply that took a second
+    out = turn.closing(None, {"ttft_s": 0.3, "queue_s": 0.1, "generated_tokens": 5, "finish_reason": "length"})
+    assert out["done"] and out["done_reason"] == "length" and (out["prompt_eval_count"], out["eval_count"]) == (12, 5)
+    assert out["prompt_eval_duration"] == pytest.approx(0.2e9, rel=0.01)  # the admission wait left out
+    assert out["eval_duration"] == pytest.approx(out["total_duration"] - 0.3e9, rel=0.01)
+    assert out["total_duration"] >= 1e9
+    assert turn.closing({"name": "f", "arguments": "{}"}, {"finish_reason": "length"})["done_reason"] == "stop"
