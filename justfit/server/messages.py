@@ -174,10 +174,33 @@ def _choice(req: CountRequest):
     return NamedToolChoice(function=NamedFunction(name=c.name))
 
 
-def prompt_of(srv, req: CountRequest):
-    """(ids, tools, syntax, grammar, chat request), with Anthropic's error for a prompt over the context."""
-    chat = to_chat(req)
+def prefill(req: CountRequest) -> str:
+    """The text of a final assistant message (no tool_use): the reply continues it ("" when there is none)."""
+    last = req.messages[-1]
+    if last.role != "assistant" or not isinstance(last.content, str) and any(b.type == "tool_use" for b in last.content):
+        return ""
+    text = _assistant(last, len(req.messages) - 1).content
+    if text != text.rstrip():
+        raise APIError(400, "final assistant content cannot end with trailing whitespace",
+                       f"messages[{len(req.messages) - 1}].content")
+    return text
+
+
+def build(srv, req: CountRequest):
+    """(ids, tools, syntax, grammar, chat request). A prefilled reply is text that continues the final
+    assistant message: its tokens follow the generation prompt and no tool grammar applies."""
+    chat, start = to_chat(req), prefill(req)
+    if start:
+        chat.messages = chat.messages[:-1]
     ids, tools, syntax, grammar = prompts.chat_prompt(srv.rt, chat)
+    if start:
+        ids, tools, grammar = ids + list(srv.rt.tokenizer.encode(start, add_special_tokens=False)), [], None
+    return ids, tools, syntax, grammar, chat
+
+
+def prompt_of(srv, req: CountRequest):
+    """build(), with Anthropic's error for a prompt over the context."""
+    ids, tools, syntax, grammar, chat = build(srv, req)
     if len(ids) >= srv.context:
         raise APIError(400, f"prompt is too long: {len(ids)} tokens > {srv.context - 1} maximum", "messages")
     return ids, tools, syntax, grammar, chat
@@ -187,9 +210,7 @@ def prompt_of(srv, req: CountRequest):
 async def count_tokens(req: CountRequest, request: Request):
     srv = _srv(request)
     check_model(srv, req.model)
-    chat = to_chat(req)
-    ids = prompts.chat_prompt(srv.rt, chat)[0]
-    return {"input_tokens": len(ids)}
+    return {"input_tokens": len(build(srv, req)[0])}
 
 
 @router.post("/v1/messages")

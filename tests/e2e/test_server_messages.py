@@ -58,6 +58,19 @@ def test_stop_sequence_is_reported(client):
     assert word not in r.content[0].text and text.startswith(r.content[0].text)
 
 
+def test_prefill_continues_the_final_assistant_message(client, serve_runtime):
+    start = "The weather in Paris is"
+    count = lambda messages: client.messages.count_tokens(model="claude-x", messages=messages).input_tokens  # noqa: E731
+    turn = ASK + [{"role": "assistant", "content": start}]
+    assert count(turn) == count(ASK) + len(serve_runtime.tokenizer.encode(start, add_special_tokens=False))
+    r = client.messages.create(model="claude-x", max_tokens=3, messages=turn, extra_body=GREEDY,
+                               tools=[WEATHER], tool_choice={"type": "auto"})
+    assert [b.type for b in r.content] == ["text"] and not r.content[0].text.startswith(start)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="claude-x", max_tokens=3, messages=ASK + [{"role": "assistant", "content": "It is "}])
+    assert "trailing whitespace" in e.value.message
+
+
 def test_tool_use_then_tool_result(client):
     r = client.messages.create(model="claude-sonnet-4-5", max_tokens=40, extra_body=GREEDY, system=SYSTEM,
                                tools=[WEATHER], tool_choice={"type": "any"}, messages=ASK)
