@@ -85,6 +85,42 @@ def one_shot(rt, prompt: str, system: Optional[str], opts: dict, out: Optional[C
     (out or ChatOutput()).reply(rt, rt, _system(system) + [{"role": "user", "content": prompt}], opts)
 
 
+HELP = ("/help      this list\n"
+        "/reset     clear the history and start over\n"
+        "/stats     the last reply's numbers (also one stopped with Ctrl-C)\n"
+        "/exit      quit (or Ctrl-D); Ctrl-C stops a reply and keeps the chat\n"
+        "A line that starts with / is a command, never sent to the model; start it with a space to send it.")
+
+
+def model_name(rt) -> str:
+    """The name the banner shows: the model's folder (a converted GGUF's, an HF id's) or what was asked for."""
+    from pathlib import Path
+
+    path = getattr(rt.model, "justfit_path", None) or str(getattr(rt, "model_spec", "") or "")
+    return Path(str(path)).name or str(path) or "the model"
+
+
+def banner(rt, session: Optional[str] = None) -> str:
+    where = f", session {session!r}" if session else ""
+    return f"justfit chat: {model_name(rt)}{where}. /help lists the commands, /exit or Ctrl-D quits."
+
+
+def command(line: str, out: "ChatOutput") -> bool:
+    """Handle a REPL /command here (it is never sent to the model); True when it was /reset, which the
+    caller applies to its own history."""
+    cmd = line.strip()
+    if cmd == "/reset":
+        return True
+    if cmd == "/help":
+        typer.echo(HELP, err=True)
+    elif cmd == "/stats":
+        out.show_stats()
+    else:
+        typer.echo(f"[unknown command {cmd.split()[0]!r}: /help lists them; start the line with a space to "
+                   "send it to the model]", err=True)
+    return False
+
+
 def _lines(banner: str) -> Iterator[str]:
     """REPL input: yields each non-empty line; Ctrl-C at the prompt is ignored, Ctrl-D or /exit ends."""
     try:
@@ -108,16 +144,14 @@ def _lines(banner: str) -> Iterator[str]:
 
 
 def repl(rt, system: Optional[str], opts: dict, out: Optional[ChatOutput] = None) -> None:
-    """Interactive chat: history across turns, /reset, /stats, /exit, Ctrl-D exits."""
+    """Interactive chat: history across turns, /help, /reset, /stats, /exit, Ctrl-D exits."""
     out = out or ChatOutput()
     messages = _system(system)
-    for line in _lines("justfit chat — /reset clears history, /stats shows the last turn, /exit or Ctrl-D quits."):
-        cmd = line.strip()
-        if cmd == "/reset":
-            messages = _system(system)
-            typer.echo("[history cleared]", err=True)
-        elif cmd == "/stats":
-            out.show_stats()
+    for line in _lines(banner(rt)):
+        if line.startswith("/"):
+            if command(line, out):
+                messages = _system(system)
+                typer.echo("[history cleared]", err=True)
         else:
             messages.append({"role": "user", "content": line})
             messages.append({"role": "assistant", "content": out.reply(rt, rt, messages, opts)})
@@ -144,14 +178,12 @@ def session_chat(rt, name: str, prompt: Optional[str], system: Optional[str], op
         if prompt is not None:
             out.reply(rt, session, first + [{"role": "user", "content": prompt}], opts)
             return
-        for line in _lines(f"justfit chat, session {name!r} — /reset clears it, /stats, /exit or Ctrl-D quits."):
-            cmd = line.strip()
-            if cmd == "/reset":
-                session.rewind(len(session.tokens))
-                first = _system(system)
-                typer.echo("[session cleared]", err=True)
-            elif cmd == "/stats":
-                out.show_stats()
+        for line in _lines(banner(rt, name)):
+            if line.startswith("/"):
+                if command(line, out):
+                    session.rewind(len(session.tokens))
+                    first = _system(system)
+                    typer.echo("[session cleared]", err=True)
             else:
                 out.reply(rt, session, first + [{"role": "user", "content": line}], opts)
                 first = []
