@@ -1,5 +1,6 @@
 """Agent: a tool-using loop on a JustFit Runtime whose steps only ever prefill new tokens."""
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
@@ -58,7 +59,8 @@ class Event:
 class Result:
     answer: str
     steps: List[Step]
-    stopped: str  # 'answer' | 'max_steps' | 'stop' | 'repeat' (same call twice) | 'length'
+    stopped: str  # 'answer' | 'max_steps' | 'stop' | 'repeat' (same call twice) | 'length' | 'tool_error'
+    #              (final_answer right after a failed tool call)
     stats: dict = field(default_factory=dict)
 
     @property
@@ -82,6 +84,13 @@ class Result:
 
     def __str__(self):
         return self.transcript()
+
+
+def failed(call: Optional[ToolCall]) -> bool:
+    """The call's result reports a failure: the tool raised (call_tool's 'error: ...') or the process it
+    ran exited non-zero (the sandbox's closing '[exit code N]')."""
+    result = (call.result or "") if call is not None else ""
+    return result.startswith("error: ") or re.search(r"\[exit code -?\d+\]\s*$", result) is not None
 
 
 def _args(arguments: dict) -> str:
@@ -169,7 +178,9 @@ class Agent:
             self._run_tool(step.call)
             yield Event("result", step.index, step.call.result, step.call, step.stats)
             if step.call.name == "final_answer":
-                answer, stopped = step.call.arguments.get("answer", ""), "answer"
+                prev = steps[-2].call if len(steps) > 1 else None
+                # an answer right after a failed call (the model gave up on the error) is not a finished task
+                answer, stopped = step.call.arguments.get("answer", ""), "tool_error" if failed(prev) else "answer"
                 break
             if self.stop is not None and self.stop(step):
                 stopped = "stop"

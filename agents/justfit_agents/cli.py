@@ -75,21 +75,24 @@ def run(
     s = result.stats
     typer.echo(f"[{s['steps']} steps, {result.stopped} | prompt {s['prompt_tokens']} / reused {s['reused_tokens']} / "
                f"prefilled {s['prefilled_tokens']} tok | {s['turn_s']:.1f} s model, {s['tool_s']:.2f} s tools]", err=True)
-    typer.echo(result.answer)
     reason = unfinished_reason(result, max_steps)
-    if reason:
+    if reason:  # stdout holds answers only: a tool's error or a repeated call's output is not one
         typer.echo(f"justfit agent: did not finish: {reason}", err=True)
         raise typer.Exit(1)
+    typer.echo(result.answer)
 
 
 def unfinished_reason(result, max_steps: int) -> str:
     """Why a run is not a finished task ('' when the agent gave its answer): scripts see exit code 1."""
     last = result.steps[-1].call if result.steps else None
+    before = result.steps[-2].call if len(result.steps) > 1 else None
     return {
         "answer": "",
         "max_steps": f"no final answer within {max_steps} steps (raise --max-steps, or try a larger --model)",
         "length": "the last reply hit the token limit before it was complete",
         "repeat": (f"the model repeated the same call {last.name if last else ''}(...) instead of answering; "
-                   "the output above is that call's result, not a checked answer"),
+                   "its result, above, is not an answer"),
         "stop": "a stop condition ended the run before an answer",
+        "tool_error": (f"{before.name if before else 'a tool'}(...) failed and the model answered without fixing it "
+                       f"(its answer {result.answer[:80]!r} is not shown as one; try a larger --model)"),
     }.get(result.stopped, f"stopped: {result.stopped}")
