@@ -139,7 +139,7 @@ def engine_request(model: str, messages: List[dict], body: _Generating, tools=No
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise APIError(400, f"{where}: {first['msg']}") from None
+        raise APIError(400, f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 def response_format(fmt: Format) -> Optional[dict]:

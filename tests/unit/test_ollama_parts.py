@@ -69,7 +69,7 @@ def test_options_reach_the_engine_request_with_ollama_defaults():
     assert (req.temperature, req.top_k, req.top_p, req.seed, req.repetition_penalty) == (0, 5, 0.5, None, 1.2)
     assert req.stop == ["x"] and req.response_format.json_schema.strict
     assert engine_request("m", msgs, ChatBody(model="m", messages=msgs, format="json")).response_format.type == "json_object"
-    with pytest.raises(APIError, match="stop"):  # the chat front's limit of 4 stop strings
+    with pytest.raises(APIError, match="^stop: takes up to 4"):  # the chat front's limit of 4 stop strings
         engine_request("m", msgs, ChatBody(model="m", messages=msgs, options={"stop": list("abcde")}))
 
 
