@@ -134,6 +134,8 @@ def test_errors_are_the_sdks_own_classes(client, server):
         client.messages.create(model="claude-x", max_tokens=4,
                                messages=[{"role": "user", "content": "weather " * 9000}])
     assert "prompt is too long: " in e.value.message and "tokens > 8191 maximum" in e.value.message
+    r = server.http.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("the request body is not valid JSON")
     r = server.http.post("/v1/messages/nothing", json={})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
@@ -218,8 +220,8 @@ def test_claude_code_talks_to_justfit_serve(default_model_dir, tmp_path):
         assert again.returncode == 0, (again.stdout, again.stderr, server.text())
         turns = re.findall(r"POST /v1/messages 200 \S+ prompt=(\d+) cached=(\d+)", server.text())
         prompt, cached = map(int, turns[-1])
-        print(f"claude -p: exit {first.returncode}, then --continue: exit {again.returncode}; "
-              f"its last request: prompt {prompt} tokens, cached {cached}")
+        print(f"claude -p: exit {first.returncode} ({first.stdout.strip()!r}), then --continue: exit "
+              f"{again.returncode}; {len(turns)} requests, the last: prompt {prompt} tokens, cached {cached}")
         assert cached > 0.9 * prompt, server.text()
     finally:
         server.stop()
