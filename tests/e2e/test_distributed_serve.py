@@ -207,6 +207,21 @@ def test_serve_two_ranks_prompt_cache_key(two):
 
 
 @pytest.mark.slow
+def test_serve_two_ranks_stay_in_step_after_a_disconnect_and_sampling(one_process, two):
+    """A client that leaves mid-stream cancels its request on every rank at the same step, and unseeded
+    sampling draws rank 0's seed everywhere: the greedy reply after both is still one process's."""
+    cancelled = _metric(two.url, "justfit_cancelled_requests_total")
+    body = {"model": "default", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", two.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert sum(1 for line, _ in zip(r.iter_lines(), range(4)) if line.startswith("data:")) >= 1
+    sampled = _client(two.url).chat.completions.create(model="default", max_tokens=12, temperature=0.9,
+                                                       messages=[{"role": "user", "content": PROMPTS[0]}])
+    assert sampled.choices[0].message.content
+    assert _ask(two.url, PROMPTS[1]) == one_process["plain"][1]
+    assert _metric(two.url, "justfit_cancelled_requests_total") == cancelled + 1
+
+
+@pytest.mark.slow
 def test_serve_two_ranks_stop_on_sigterm(two):
     two.proc.send_signal(signal.SIGTERM)
     two.proc.wait(timeout=60)
