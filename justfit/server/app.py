@@ -92,7 +92,9 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=[o.strip() for o in cors.split(",")],
-                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["authorization", "content-type"])
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta", "anthropic-dangerous-direct-browser-access"])
     app.add_middleware(LogRequests, metrics=server.metrics)
     return app
 
