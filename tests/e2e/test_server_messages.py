@@ -140,9 +140,12 @@ def test_errors_are_the_sdks_own_classes(client, server):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
-def test_auth_and_size_in_anthropic_shape(serve_runtime):
-    s = InProcess(serve_runtime, api_key="sk-k", max_body=4096)
+def test_auth_size_and_cors_for_anthropic_clients(serve_runtime):
+    s = InProcess(serve_runtime, api_key="sk-k", max_body=4096, cors="http://app.test")
     try:
+        asked = {"origin": "http://app.test", "access-control-request-method": "POST",
+                 "access-control-request-headers": "x-api-key,anthropic-version,anthropic-beta,content-type"}
+        assert s.http.options("/v1/messages", headers=asked).status_code == 200  # a browser may send them
         bad = anthropic.Anthropic(base_url=s.url, api_key="wrong", max_retries=0, http_client=s.http)
         with pytest.raises(anthropic.AuthenticationError) as e:
             bad.messages.count_tokens(model="claude-x", messages=ASK)
