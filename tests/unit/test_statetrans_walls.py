@@ -216,3 +216,21 @@ def test_serve_quota_option_is_a_size(monkeypatch):
     assert out.exit_code == 2 and "--sessions-max-bytes 'lots' is not a size" in out.output
     monkeypatch.setenv("JUSTFIT_SESSIONS_MAX_BYTES", "10 parsecs")
     assert r.invoke(app, ["serve"]).exit_code == 2
+
+
+def test_serve_sets_the_quota_on_the_runtimes_store(monkeypatch, tmp_path):
+    import types
+
+    import justfit.runtime
+    import justfit.server.app
+
+    store = PageStore(tmp_path / "store" / "fp", tmp_path / "store" / "lock")
+    fake = types.SimpleNamespace(index=types.SimpleNamespace(store=store), sharding=types.SimpleNamespace(world_size=1))
+    monkeypatch.setattr(justfit.runtime, "Runtime", lambda **kw: fake)
+    served = []
+    monkeypatch.setattr(justfit.server.app, "serve", lambda rt, host, port, **kw: served.append(rt))
+    monkeypatch.setenv("JUSTFIT_SESSIONS_MAX_BYTES", "2GiB")
+    assert CliRunner().invoke(app, ["serve"]).exit_code == 0 and served == [fake]
+    assert store.sessions_cap == 2 * 2**30
+    assert CliRunner().invoke(app, ["serve", "--sessions-max-bytes", "500MB"]).exit_code == 0
+    assert store.sessions_cap == 500 * 10**6
