@@ -23,16 +23,17 @@ PREFILL_WITH_DECODE = 128
 MAX_BATCH = 64  # sequences running at once
 PREFILL_STEP = 2048  # a lone request's prefill chunk (nobody to stall): the decoder stack only, no LM head
 ONE_PASS = 256  # a lone prompt of at most this many new tokens runs as one pass, LM head included
+PROGRESS_STEP = 512  # the chunk of a lone prefill someone watches (a progress bar): progress every chunk
 
 
-def lone_chunk(left: int, span: int) -> int:
+def lone_chunk(left: int, span: int, step: int = PREFILL_STEP) -> int:
     """Rows of a lone request's next prefill chunk, `left` of a prefill of `span` new tokens: a short one (a
     chat turn on a cached history) in one pass, since the LM head over <= ONE_PASS rows costs less than a
-    second pass through every layer; a longer one in PREFILL_STEP chunks of the decoder stack, then its last
+    second pass through every layer; a longer one in `step`-row chunks of the decoder stack, then its last
     token alone (the loop of mlx-lm's generate_step)."""
     if span <= ONE_PASS:
         return left
-    return min(PREFILL_STEP, left - 1) if left > 1 else 1
+    return min(step, left - 1) if left > 1 else 1
 
 
 class Scheduler:
@@ -122,7 +123,8 @@ class Scheduler:
             alone = len(self.running) == 1 and not self.queue
             for r in self.running:
                 if r.left and budget > 0 and not r.decoding:
-                    plan.append((r, lone_chunk(r.left, len(r.prompt) - r.stats.reused_tokens) if alone
+                    step = PREFILL_STEP if r.progress is None else PROGRESS_STEP
+                    plan.append((r, lone_chunk(r.left, len(r.prompt) - r.stats.reused_tokens, step) if alone
                                  else min(r.left, budget)))
                     budget -= plan[-1][1]
             if not plan:

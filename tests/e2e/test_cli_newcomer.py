@@ -22,3 +22,11 @@ def test_serve_on_a_busy_port_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
     assert f"port {port} on 127.0.0.1 is in use" in r.stderr
+
+
+def test_chat_prefill_calls_progress_several_times(runtime16):
+    calls = []
+    prompt = " ".join(f"word{i}" for i in range(400))  # ~1k tokens
+    g = runtime16.generate(prompt, max_tokens=1, progress=lambda done, total: calls.append((done, total)))
+    assert g.stats.prefilled_tokens > 900
+    assert len(calls) >= 3 and all(d < t for d, t in calls), calls

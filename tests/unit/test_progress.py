@@ -38,3 +38,17 @@ def test_bar_draws_on_a_terminal_and_stays_silent_in_a_pipe(monkeypatch):
         for _ in range(3):
             advance()
     assert "converting y" in sys.stderr.getvalue()
+
+
+def test_a_watched_lone_prefill_reports_progress_every_few_hundred_tokens():
+    """A ~1k-token prompt prefilled alone reports progress before its end (the chat bar appears at the
+    first report after 2 s), not only after a 2,048-token chunk that such a prompt never fills."""
+    from justfit.engine.scheduler import PREFILL_STEP, PROGRESS_STEP, lone_chunk
+
+    chunks, left = [], 1015
+    while left:
+        chunks.append(lone_chunk(left, 1015, PROGRESS_STEP))
+        left -= chunks[-1]
+    assert len(chunks) >= 3 and max(chunks) <= 512, chunks
+    assert lone_chunk(1015, 1015) == 1014 and PREFILL_STEP == 2048  # unwatched prefills keep the big chunk
+
