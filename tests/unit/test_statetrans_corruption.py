@@ -75,3 +75,16 @@ def test_damaged_manifest_falls_back_to_previous_commit(folder, tmp_path, capfd)
     s2 = runtime(folder, home).session("two")
     assert "previous commit" in capfd.readouterr().err
     assert s2.tokens == first
+
+
+def test_manifest_copied_from_another_session_is_refused_on_open(folder, tmp_path):
+    """`cp sessions/hist.json sessions/k2.json`: k2 does not open hist's history (one clear line)."""
+    import shutil
+
+    from justfit.errors import UserError
+
+    home = tmp_path / "home"
+    _saved(folder, home)
+    shutil.copy(manifest_path(home, "hist"), manifest_path(home, "k2"))
+    with pytest.raises(UserError, match="it holds session 'hist'.*justfit sessions rm k2"):
+        runtime(folder, home).session("k2")
