@@ -132,6 +132,9 @@ def chat(
         raise UserError(f"--kv-format rotated is 4-bit only: use --kv-bits 4 (or --kv-format affine with --kv-bits {kv_bits.value})")
     if any(not s for s in stop or []):
         raise UserError("--stop needs a non-empty string")
+    if seed not in (None, -1) and temp == 0:
+        typer.echo(f"justfit: note: --seed {seed} does nothing with --temp 0 (greedy decoding is already "
+                   "deterministic); set --temp above 0 to sample", err=True)
     kv = KVConfig(bits=int(kv_bits.value), format=kv_format.value)
     opts = sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop,
                             None if seed == -1 else seed)

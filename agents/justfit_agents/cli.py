@@ -57,6 +57,9 @@ def run(
         raise UserError(f"no ready agent {name!r}; choose one of: {', '.join(READY)}")
     if not Path(workspace).is_dir():
         raise UserError(f"workspace {workspace!r} is not a folder")
+    if seed is not None and temp == 0:
+        typer.echo(f"justfit agent: note: --seed {seed} does nothing with --temp 0 (greedy decoding is already "
+                   "deterministic); set --temp above 0 to sample", err=True)
     rt = Runtime(model=model, kv=KVConfig(bits=kv_bits))
     kw = dict(session=session, max_steps=max_steps, temperature=temp, seed=seed)
     if name == "coding":

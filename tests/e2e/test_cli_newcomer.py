@@ -30,3 +30,12 @@ def test_chat_prefill_calls_progress_several_times(runtime16):
     g = runtime16.generate(prompt, max_tokens=1, progress=lambda done, total: calls.append((done, total)))
     assert g.stats.prefilled_tokens > 900
     assert len(calls) >= 3 and all(d < t for d, t in calls), calls
+
+
+def test_seed_with_greedy_decoding_says_it_does_nothing(test_home, default_model_dir):
+    r = _justfit("chat", "-p", "Hi", "--max-tokens", "2", "--seed", "7", home=test_home)
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if "--seed" in line]
+    assert len(notes) == 1 and "does nothing with --temp 0" in notes[0], r.stderr
+    r = _justfit("chat", "-p", "Hi", "--max-tokens", "2", "--seed", "7", "--temp", "0.7", home=test_home)
+    assert r.returncode == 0 and "--seed" not in r.stderr, r.stderr
