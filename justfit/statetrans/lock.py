@@ -134,7 +134,10 @@ def _claim(sessions: Path, name: str) -> Optional[socket.socket]:
     st = os.stat(sessions)
     key = hashlib.sha256(f"{st.st_dev}:{st.st_ino}:{name}".encode()).hexdigest()[:48]
     address = f"\0justfit-session-{key}"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:  # sockets refused here (a sandbox): the flock alone guards the session
+        return None
     try:
         sock.bind(address)
         sock.listen(1)  # lets a refused process ask the kernel who the holder is (SO_PEERCRED)
