@@ -1,8 +1,9 @@
 """The one engine core on every rank under mlx.launch: rank 0 leads it, the other ranks replay its calls.
 
 Every rank runs the same Engine (justfit/engine) over its own shard. On rank 0, each call into the engine
-from outside (submit, cancel, step) is first broadcast as JSON; the other ranks make the same call on their
-own engine in the same order (`follow`), so every model pass, and every collective inside it, lines up.
+from outside (submit, cancel, step) is first broadcast as JSON (`post`: rank 0 does not wait for it, so its
+queued next pass still overlaps); the other ranks make the same call on their own engine in the same order
+(`follow`), so every model pass, and every collective inside it, lines up.
 A submission travels as its prompt ids, max_tokens and sampling options, grammar text and penalties
 included; a seed is drawn on rank 0 when sampling is unseeded.
 
@@ -17,6 +18,7 @@ Not mirrored: turns on caller-owned caches (sessions; `settle` then feeds nothin
 broadcast) and custom logits processors (code does not travel); both are refused on rank 0 in one line.
 """
 
+import json
 import random
 from typing import Callable, Dict, Optional
 
@@ -44,6 +46,30 @@ def agree_array(a, w: World):
 
     a = a.astype(mx.int32)
     return mx.distributed.all_sum(a if w.is_front else mx.zeros_like(a), group=w.group)
+
+
+def post(msg: dict, w: World) -> tuple:
+    """Rank 0: broadcast `msg` as JSON without waiting for it (its length, then its bytes: two all_sums that
+    the other ranks read in `receive`), so rank 0 goes on building its next step meanwhile. Returns the
+    arrays in flight (keep them until evaluated)."""
+    import mlx.core as mx
+
+    data = json.dumps(msg).encode()
+    size = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=w.group)
+    mx.async_eval(size)  # one evaluation each: their order is then the receivers' order
+    body = mx.distributed.all_sum(mx.array(list(data), dtype=mx.int32), group=w.group)
+    mx.async_eval(body)
+    return size, body
+
+
+def receive(w: World) -> dict:
+    """Ranks > 0: the message rank 0 `post`ed."""
+    import mlx.core as mx
+    import numpy as np
+
+    n = mx.distributed.all_sum(mx.zeros((1,), dtype=mx.int32), group=w.group).item()
+    body = mx.distributed.all_sum(mx.zeros((n,), dtype=mx.int32), group=w.group)
+    return json.loads(np.array(body).astype(np.uint8).tobytes().decode())
 
 
 def agree_policy(engine, w: World):

@@ -24,8 +24,8 @@ import threading
 from typing import Callable, Optional
 
 from ..errors import UserError
-from .mirror import CALLER_CACHES, Lead, agree_policy, follow
-from .world import World, broadcast_json, gather_strings, world
+from .mirror import CALLER_CACHES, Lead, agree_policy, follow, post, receive
+from .world import World, gather_strings, world
 
 log = logging.getLogger("justfit.server")
 SESSIONS = ("prompt_cache_key sessions with retention (and --persist) are not supported by `justfit serve` under "
@@ -50,6 +50,7 @@ class Leader:
         self.grammars = make_constraint is not None
         self.lost: Optional[str] = None
         self.lead: Optional[Lead] = None
+        self._posted: tuple = ()  # the last message's collectives, in flight
 
     def __getattr__(self, name):  # model, tokenizer, index, phaseswap, home, sharding, encode ...
         return getattr(self.rt, name)
@@ -88,7 +89,8 @@ class Leader:
         if self.lost:
             raise RuntimeError(self.lost)
         try:
-            broadcast_json(msg, self.world)
+            if self.world.size > 1:
+                self._posted = post(msg, self.world)
         except RuntimeError as e:
             self._failed(e)
             raise
@@ -117,8 +119,12 @@ class Leader:
             if before is not None:
                 before()
             self._send({"op": "stop"})
-        except RuntimeError:
-            pass  # recorded in self.lost
+            if self._posted:
+                import mlx.core as mx
+
+                mx.eval(*self._posted)  # the followers have it before this process goes on to exit
+        except RuntimeError as e:
+            self._failed(e)  # recorded in self.lost
         finally:
             lock.release()
         return self.lost
@@ -129,7 +135,7 @@ def follow_turns(rt, w: Optional[World] = None, make_constraint: Optional[Callab
     w = w or world()
     engine = rt.batch_engine()
     agree_policy(engine, w)
-    return follow(engine, lambda: broadcast_json(None, w), make_constraint)
+    return follow(engine, lambda: receive(w), make_constraint)
 
 
 def peers(w: World) -> list:
