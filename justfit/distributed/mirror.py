@@ -169,7 +169,7 @@ class Lead:
 
     def step(self) -> int:
         with self.engine.lock:
-            self.send({"op": "step"})
+            self.send({"op": "step", "state": state(self.engine)})
             try:
                 return self._step()
             except RuntimeError as e:
@@ -178,9 +178,19 @@ class Lead:
                 raise
 
 
+def state(engine) -> list:
+    """What must be equal on every rank before a step: queued and running requests, rows computed and rows
+    to hold (a rank whose prefix reuse differed from rank 0's would plan other passes)."""
+    s = engine.scheduler
+    live = list(s.queue) + list(s.running)
+    return [len(s.queue), len(s.running), sum(r.cached for r in live), sum(len(r.feed) for r in live)]
+
+
 def follow(engine, receive: Callable[[], dict], make_constraint: Optional[Callable[[str], object]] = None) -> int:
     """Ranks > 0: make rank 0's engine calls on this rank's engine until it says stop; returns the steps run.
-    A submission this rank refuses where rank 0 accepted it means the ranks are out of step: raised."""
+    A submission this rank refuses where rank 0 accepted it, or an engine state other than rank 0's before a
+    step, means the ranks are out of step: raised (this rank exits, and rank 0 stops serving) rather than
+    running passes whose collectives no longer match."""
     requests: Dict[int, object] = {}  # rank 0's request id -> this rank's request
     steps = 0
     while True:
@@ -189,6 +199,9 @@ def follow(engine, receive: Callable[[], dict], make_constraint: Optional[Callab
         if op == "stop":
             return steps
         if op == "step":
+            if msg.get("state") is not None and msg["state"] != state(engine):
+                raise RuntimeError(f"this rank's engine holds {state(engine)} (queued, running, rows computed, rows "
+                                   f"in all) where rank 0's holds {msg['state']}: the ranks are out of step")
             engine.step()
             steps += 1
             for rid in [rid for rid, r in requests.items() if r.done]:

@@ -91,11 +91,15 @@ def test_an_engine_replaying_the_leader_s_calls_computes_the_same_requests(tiny)
         engine.submit(rt.encode("hi"), 4, caches=rt.make_cache(), reused=0)
 
 
-def test_a_replayed_call_this_rank_refuses_is_raised(tiny):
+def test_a_rank_out_of_step_raises(tiny):
     from statetrans_util import runtime
 
     folder, base = tiny
     rt = runtime(folder, base / "home2", bits=16)
     msgs = iter([{"op": "submit", "id": 0, "tokens": [], "max_tokens": 4, "sampling": {}}])
+    with pytest.raises(RuntimeError, match="out of step"):
+        follow(rt.batch_engine(), lambda: next(msgs))
+    msgs = iter([{"op": "submit", "id": 0, "tokens": rt.encode("hi"), "max_tokens": 4, "sampling": {}},
+                 {"op": "step", "state": [0, 0, 0, 0]}])  # rank 0 held no request: this rank holds one
     with pytest.raises(RuntimeError, match="out of step"):
         follow(rt.batch_engine(), lambda: next(msgs))
