@@ -32,6 +32,10 @@ CALLER_CACHES = ("turns on caller-owned caches (prompt_cache_key sessions) are n
                  "leave the session out (prefix reuse still works) or serve on one rank")
 
 
+class OutOfStep(RuntimeError):
+    """This rank's engine no longer matches rank 0's: its next pass would not line up."""
+
+
 def agree_int(value: int, w: World) -> int:
     """Rank 0's int on every rank (one all_sum; others pass anything)."""
     import mlx.core as mx
@@ -200,7 +204,7 @@ def follow(engine, receive: Callable[[], dict], make_constraint: Optional[Callab
             return steps
         if op == "step":
             if msg.get("state") is not None and msg["state"] != state(engine):
-                raise RuntimeError(f"this rank's engine holds {state(engine)} (queued, running, rows computed, rows "
+                raise OutOfStep(f"this rank's engine holds {state(engine)} (queued, running, rows computed, rows "
                                    f"in all) where rank 0's holds {msg['state']}: the ranks are out of step")
             engine.step()
             steps += 1
@@ -211,7 +215,7 @@ def follow(engine, receive: Callable[[], dict], make_constraint: Optional[Callab
                 requests[msg["id"]] = engine.submit(msg["tokens"], msg["max_tokens"],
                                                     **from_wire(msg["sampling"], make_constraint))
             except (UserError, ValueError) as e:
-                raise RuntimeError(f"this rank refused a request rank 0 accepted ({e}): the ranks are out of step") from e
+                raise OutOfStep(f"this rank refused a request rank 0 accepted ({e}): the ranks are out of step") from e
         elif op == "cancel":
             r = requests.pop(msg["id"], None)
             if r is not None:

@@ -24,7 +24,7 @@ import threading
 from typing import Callable, Optional
 
 from ..errors import UserError
-from .mirror import CALLER_CACHES, Lead, agree_policy, follow, post, receive
+from .mirror import CALLER_CACHES, Lead, OutOfStep, agree_policy, follow, post, receive
 from .world import World, gather_strings, world
 
 log = logging.getLogger("justfit.server")
@@ -194,6 +194,8 @@ def run_front(rt, serve: Callable, make_constraint: Optional[Callable[[str], obj
     if not w.is_front:
         try:
             follow_turns(rt, w, make_constraint)
+        except OutOfStep as e:
+            return f"rank {w.rank}: {e}"
         except RuntimeError as e:
             if lost(e):
                 return f"rank {w.rank} lost rank 0 of the mlx.launch world ({e})"
