@@ -79,7 +79,11 @@ class Result:
                 lines.append("  -> " + s.call.result.replace("\n", "\n     "))
             else:
                 lines.append(s.text)
-        lines.append(f"=== {self.stopped}: {self.answer}")
+        if self.stopped == "answer":
+            lines.append(f"=== answer: {self.answer}")
+        else:  # never shown as if it were an answer: say the run did not give one, and why
+            last = f"; last tool result: {self.answer}" if self.answer else ""
+            lines.append(f"=== no final answer (stopped: {self.stopped}){last}")
         return "\n".join(lines)
 
     def __str__(self):
