@@ -313,9 +313,13 @@ def models_rm(name: str = typer.Argument(..., help="A name shown by `justfit mod
     from .models import list_models
 
     rows = {r["name"]: r for r in list_models()}
+    asked = name
+    if name == "default" and name not in rows:  # what `pull default` and `--model default` fetch
+        from .models.default import NAME as name
     if name not in rows:
         known = ", ".join(rows) or "none cached"
-        raise UserError(f"no cached model named {name!r} under {home() / 'models'} (cached: {known})")
+        what = repr(asked) + (f" ({name})" if name != asked else "")
+        raise UserError(f"no cached model named {what} under {home() / 'models'} (cached: {known})")
     import shutil
 
     shutil.rmtree(rows[name]["path"])
@@ -377,6 +381,24 @@ def _config_defaults(command) -> dict:
         sys.exit(2)
 
 
+def _plain_flags(command) -> None:
+    """On/off flags show no `<bool>` value in --help: they take none."""
+    for p in command.params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    made = command.get_help_option  # --help/-h is made per context, not listed in params
+
+    def help_option(ctx):
+        option = made(ctx)
+        if option is not None and option.metavar is None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = help_option
+    for sub in (getattr(command, "commands", None) or {}).values():
+        _plain_flags(sub)
+
+
 def main():
     """Console entry point (OpenBLAS is already loaded by `import justfit`); internal errors exit 1 in one line."""
     from .distributed import quiet_followers
@@ -384,6 +406,7 @@ def main():
     quiet_followers()  # under mlx.launch only rank 0 prints
     try:
         command = typer.main.get_command(app)
+        _plain_flags(command)
         rc = command.main(prog_name="justfit", standalone_mode=False, default_map=_config_defaults(command))
     except KeyboardInterrupt:
         sys.exit(130)
