@@ -10,8 +10,10 @@ included; a seed is drawn on rank 0 when sampling is unseeded.
 Inside a step the engine decides from state every rank holds alike (the queue, the running set, the
 prefix index), except three things each rank would answer on its own: whether bytes fit the KV budget
 (each rank counts its own shard's bytes), how many prefill rows a decoding step carries (sized from step
-times each rank measures) and the tokens (a shard's logits could differ in their last bits). `agree_policy`
-makes those rank 0's answers on every rank: an `all_sum` of a value that is zero everywhere but on rank 0.
+times each rank measures) and the tokens (a shard's logits could differ in their last bits). The engine
+asks its consensus (engine/consensus.py) at those points; `Peer` answers with rank 0's value on every
+rank: an `all_sum` of a value that is zero everywhere but on rank 0. `Lead` (rank 0) also announces the
+engine's outside calls.
 Greedy tokens agree inside the step's own graph, so the next pass can still be queued before they are read.
 
 Not mirrored: turns on caller-owned caches (sessions; `settle` then feeds nothing, so it needs no
@@ -76,35 +78,6 @@ def receive(w: World) -> dict:
     return json.loads(np.array(body).astype(np.uint8).tobytes().decode())
 
 
-def agree_policy(engine, w: World):
-    """Make the engine's per-rank answers rank 0's on every rank: the KV budget test (when there is a
-    budget), the prefill rows of a decoding step, and every token taken. Every rank calls this once on its
-    engine before its first step."""
-    if w.size == 1:
-        return
-    kv, chunks, runner = engine.kv, engine.scheduler.chunks, engine.runner
-    if kv.budget_bytes is not None:
-        fits = kv.fits  # each rank still runs its own (it drops speed copies), rank 0's answer counts
-        kv.fits = lambda need: bool(agree_int(fits(need), w))
-    rows = chunks.rows
-    chunks.rows = lambda: agree_int(rows(), w)
-    start, queue, pick = runner.start, runner.queue, runner.pick
-
-    def agreed(pass_):
-        plan, logits, greedy = pass_
-        if greedy is None:
-            return pass_
-        import mlx.core as mx
-
-        greedy = agree_array(greedy, w)
-        mx.async_eval(greedy)
-        return plan, logits, greedy
-
-    runner.start = lambda plan: agreed(start(plan))
-    runner.queue = lambda nxt, greedy: agreed(queue(nxt, greedy))
-    runner.pick = lambda r, logits, greedy: agree_int(pick(r, logits, greedy), w) if r.chooser.rewrites else greedy
-
-
 def to_wire(options: dict, grammars: bool) -> dict:
     """A submission's sampling options as JSON (a UserError for those that cannot travel). Unseeded
     sampling gets a seed here, written back into `options` so rank 0 draws the same tokens."""
@@ -141,45 +114,66 @@ def from_wire(wire: dict, make_constraint: Optional[Callable[[str], object]]) ->
     return opts
 
 
-class Lead:
-    """Rank 0's engine, its outside calls broadcast first: installed over the engine's own `submit`,
-    `cancel` and `step` (instance attributes), so every caller (a front, a Request being iterated, the
-    engine's own `run`) goes through it. `send(msg)` broadcasts one call; `grammars`: can the other ranks
-    build grammar constraints; `failed(e)` sees what a mirrored call raised (a lost rank) before it is raised."""
+class Peer:
+    """The engine's consensus on a rank of an mlx.launch world (engine/consensus.py): its per-rank answers
+    (the KV budget test, a step's prefill rows, the tokens) become rank 0's on every rank. Ranks > 0 use it
+    as is; rank 0 uses `Lead`, which also announces the engine's outside calls."""
 
-    def __init__(self, engine, send: Callable[[dict], None], grammars: bool = False,
-                 failed: Optional[Callable[[BaseException], None]] = None):
-        self.engine, self.send, self.grammars, self.failed = engine, send, grammars, failed
-        self._submit, self._cancel, self._step = engine.submit, engine.cancel, engine.step
-        engine.submit, engine.cancel, engine.step = self.submit, self.cancel, self.step
+    def __init__(self, w: World):
+        self.world = w
 
-    def submit(self, tokens, max_tokens: int = 256, caches=None, reused: int = 0, progress=None, stats=None,
-               sampling=None, on_done=None, **options):
-        """Engine.submit, mirrored: checked on rank 0 first (a refusal sends nothing), then sent."""
+    def submitting(self, options: dict, caches, sampling) -> Optional[dict]:
+        return None
+
+    def submitted(self, request, announced: Optional[dict]):
+        pass
+
+    def cancelling(self, request):
+        pass
+
+    def stepping(self, engine):
+        pass
+
+    def failed(self, error: BaseException):
+        pass
+
+    def agree(self, value: int) -> int:
+        return agree_int(value, self.world) if self.world.size > 1 else value
+
+    def agree_tokens(self, greedy):
+        return agree_array(greedy, self.world) if self.world.size > 1 else greedy
+
+
+class Lead(Peer):
+    """Rank 0's consensus: before the engine runs a call from outside (submit, cancel, step) it is
+    broadcast with `send(msg)`, in the engine's own order (the engine holds its lock around both), so every
+    caller (a front, a Request being iterated, the engine's own `run`) is mirrored. `grammars`: can the
+    other ranks build grammar constraints; `on_failure(e)` sees what a step raised (a lost rank)."""
+
+    def __init__(self, w: World, send: Callable[[dict], None], grammars: bool = False,
+                 on_failure: Optional[Callable[[BaseException], None]] = None):
+        super().__init__(w)
+        self.send, self.grammars, self.on_failure = send, grammars, on_failure
+
+    def submitting(self, options: dict, caches, sampling) -> Optional[dict]:
+        """Refuse what cannot travel before anything is queued; unseeded sampling gets rank 0's seed."""
         if caches is not None or sampling is not None:
             raise UserError(CALLER_CACHES)
-        wire = to_wire(options, self.grammars)
-        with self.engine.lock:
-            req = self._submit(tokens, max_tokens, progress=progress, stats=stats, on_done=on_done, **options)
-            self.send({"op": "submit", "id": req.id, "tokens": list(req.prompt), "max_tokens": max_tokens,
-                       "sampling": wire})
-        return req
+        return to_wire(options, self.grammars)
 
-    def cancel(self, req):
-        with self.engine.lock:
-            if not req.done:
-                self.send({"op": "cancel", "id": req.id})
-            self._cancel(req)
+    def submitted(self, request, announced: Optional[dict]):
+        self.send({"op": "submit", "id": request.id, "tokens": list(request.prompt),
+                   "max_tokens": request.max_tokens, "sampling": announced or {}})
 
-    def step(self) -> int:
-        with self.engine.lock:
-            self.send({"op": "step", "state": state(self.engine)})
-            try:
-                return self._step()
-            except RuntimeError as e:
-                if self.failed is not None:
-                    self.failed(e)
-                raise
+    def cancelling(self, request):
+        self.send({"op": "cancel", "id": request.id})
+
+    def stepping(self, engine):
+        self.send({"op": "step", "state": state(engine)})
+
+    def failed(self, error: BaseException):
+        if self.on_failure is not None:
+            self.on_failure(error)
 
 
 def state(engine) -> list:

@@ -24,7 +24,7 @@ import threading
 from typing import Callable, Optional
 
 from ..errors import UserError
-from .mirror import CALLER_CACHES, Lead, OutOfStep, agree_policy, follow, post, receive
+from .mirror import CALLER_CACHES, Lead, OutOfStep, Peer, follow, post, receive
 from .world import World, gather_strings, world
 
 log = logging.getLogger("justfit.server")
@@ -49,7 +49,7 @@ class Leader:
         self.rt, self.world, self.on_lost = rt, w or world(), on_lost
         self.grammars = make_constraint is not None
         self.lost: Optional[str] = None
-        self.lead: Optional[Lead] = None
+        self.engine = None  # rank 0's engine core, its consensus a Lead (made on first use)
         self._posted: tuple = ()  # the last message's collectives, in flight
 
     def __getattr__(self, name):  # model, tokenizer, index, phaseswap, home, sharding, encode ...
@@ -63,11 +63,10 @@ class Leader:
         options would have to match on every rank, so none are taken)."""
         if args or options:
             raise UserError("engine options are not mirrored under mlx.launch; use the defaults")
-        if self.lead is None:
-            engine = self.rt.batch_engine()
-            agree_policy(engine, self.world)
-            self.lead = Lead(engine, self._send, self.grammars, self._failed)
-        return self.lead.engine
+        if self.engine is None:
+            self.engine = self.rt.batch_engine()
+            self.engine.use_peer(Lead(self.world, self._send, self.grammars, self._failed))
+        return self.engine
 
     def submit(self, prompt, max_tokens: int = 256, **sampling):
         return self.batch_engine().submit(self.rt.encode(prompt), max_tokens, **sampling)
@@ -111,7 +110,7 @@ class Leader:
         why the world was lost."""
         if self.lost:
             return self.lost
-        lock = self.lead.engine.lock if self.lead is not None else threading.RLock()
+        lock = self.engine.lock if self.engine is not None else threading.RLock()
         if not lock.acquire(timeout=timeout):
             return (f"lost a rank of the mlx.launch world? a step was still running {timeout:.0f} s after shutdown "
                     "(a rank that died leaves the others waiting); the other ranks were not told to stop")
@@ -134,7 +133,7 @@ def follow_turns(rt, w: Optional[World] = None, make_constraint: Optional[Callab
     """Ranks > 0: replay rank 0's engine calls on this rank's engine until it says stop; returns the steps run."""
     w = w or world()
     engine = rt.batch_engine()
-    agree_policy(engine, w)
+    engine.use_peer(Peer(w))
     return follow(engine, lambda: receive(w), make_constraint)
 
 

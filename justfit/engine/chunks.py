@@ -21,8 +21,9 @@ class ChunkSizer:
     """A line fit (seconds = fixed + per_row x rows) over recent steps' sizes and wall times, and the
     prefill rows per decoding step it implies."""
 
-    def __init__(self, floor: int, ceiling: int, adaptive: bool = True):
+    def __init__(self, floor: int, ceiling: int, adaptive: bool = True, consensus=None):
         self.floor, self.ceiling, self.adaptive = floor, max(floor, ceiling), adaptive
+        self.consensus = consensus  # the engine's Consensus: under mlx.launch rank 0's rows stand
         self.samples: deque = deque(maxlen=SAMPLES)  # (rows, seconds) of steps computed while the engine waited
 
     def observe(self, rows: int, seconds: float):
@@ -46,7 +47,11 @@ class ChunkSizer:
         return fixed, per_row
 
     def rows(self) -> int:
-        """Prefill rows a step that also decodes may carry."""
+        """Prefill rows a step that also decodes may carry (agreed with the other ranks, if any)."""
+        rows = self._rows()
+        return self.consensus.agree(rows) if self.consensus is not None else rows
+
+    def _rows(self) -> int:
         fit = self.fit() if self.adaptive else None
         if fit is None:
             return self.floor

@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Optional
 from ..errors import UserError
 from ..models.vocab import check_token_ids, vocab_size
 from ..turns import Chunk, Generation, TurnStats
+from .consensus import Consensus
 from .kv import KVManager
 from .request import DONE, RUNNING, Request
 from .runner import Runner, follow
@@ -34,9 +35,10 @@ class Engine:
         if prefill_with_decode is not None and prefill_with_decode < 1:
             raise UserError(f"prefill_with_decode must be >= 1 row, not {prefill_with_decode}")
         self.tokenizer = tokenizer
-        self.kv = KVManager(model, make_cache, index, kv, budget_bytes)
-        self.scheduler = Scheduler(self.kv, step_tokens, max_batch, prefill_with_decode)
-        self.runner = Runner(model, self.kv, residency)
+        self.consensus = Consensus()  # alone, until serving under mlx.launch plugs in its peer (use_peer)
+        self.kv = KVManager(model, make_cache, index, kv, budget_bytes, self.consensus)
+        self.scheduler = Scheduler(self.kv, step_tokens, max_batch, prefill_with_decode, self.consensus)
+        self.runner = Runner(model, self.kv, residency, self.consensus)
         self.drafter, self.gate = drafter, gate  # a lone plain-greedy request decodes speculatively
         self.counts = {"draft_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0}
         args = getattr(model, "args", None)
@@ -69,6 +71,7 @@ class Engine:
         chunk; stats: the caller's TurnStats to fill; sampling: a Sampling, or its fields as options;
         on_done(request): called once it is finished and `caches` hold the turn (a session records it)."""
         tokens = list(tokens)
+        announced = self.consensus.submitting(options, caches, sampling)  # may refuse; may fix the seed
         if not tokens:
             raise UserError("the prompt is empty: give at least one token")
         if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -89,12 +92,19 @@ class Engine:
             if self.scheduler.idle():
                 self.runner.reset_peak()
             self.scheduler.add(req)
+            self.consensus.submitted(req, announced)
         return req
 
     def cancel(self, req: Request):
         with self.lock:
             if req.state != DONE:
+                self.consensus.cancelling(req)
                 self._finish(req, "cancelled", publish=False)
+
+    def use_peer(self, peer):
+        """Agree answers and announce calls with the other ranks through `peer` (distributed/mirror.py)."""
+        with self.lock:
+            self.consensus.use(peer)
 
     def set_drafter(self, drafter, gate=None):
         """Drafter (and its gate) for the lone-request speculative mode; None turns it off."""
@@ -131,6 +141,15 @@ class Engine:
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> int:
         """Plan, run one forward pass (or a verify), take the tokens. Returns rows computed."""
+        with self.lock:
+            self.consensus.stepping(self)
+            try:
+                return self._step()
+            except RuntimeError as e:
+                self.consensus.failed(e)
+                raise
+
+    def _step(self) -> int:
         with self.lock:
             self.settle()
             lone, t0, waited = None, time.perf_counter(), False

@@ -17,8 +17,10 @@ from .kvbytes import KVBytes
 class KVManager:
     """Pages and bytes of the engine's requests under one budget (None: no budget, no arithmetic)."""
 
-    def __init__(self, model, make_cache: Callable[[], list], index=None, kv=None, budget_bytes: Optional[int] = None):
+    def __init__(self, model, make_cache: Callable[[], list], index=None, kv=None, budget_bytes: Optional[int] = None,
+                 consensus=None):
         self.make_cache, self.index, self.kv, self.budget_bytes = make_cache, index, kv, budget_bytes
+        self.consensus = consensus  # the engine's Consensus: under mlx.launch rank 0's budget answers stand
         self.kv_bytes = KVBytes(model, kv) if kv is not None else None  # None: no KV arithmetic (0 bytes)
         self.page_size = index.page_size if index is not None else None
         self.pool = index.pool if index is not None else None  # set from the first cache otherwise
@@ -149,9 +151,13 @@ class KVManager:
 
     def fits(self, need: int) -> bool:
         """True when `need` more bytes fit the budget, after dropping what is only a speed cache (stacked page
-        copies) and cold cached prefixes, in that order."""
+        copies) and cold cached prefixes, in that order (the answer agreed with the other ranks, if any)."""
         if self.budget_bytes is None:
             return True
+        fits = self._fits(need)
+        return bool(self.consensus.agree(int(fits))) if self.consensus is not None else fits
+
+    def _fits(self, need: int) -> bool:
         if self.used_bytes() + need <= self.budget_bytes:
             return True
         self.drop_copies(need)  # speed copies go first: one step rebuilds them

@@ -208,8 +208,9 @@ def follow(drafter, feed: List[int]):
 class Runner:
     """The model and how to run it over requests' caches."""
 
-    def __init__(self, model, kv, residency=None):
+    def __init__(self, model, kv, residency=None, consensus=None):
         self.model, self.kv, self.residency = model, kv, residency  # kv: the KV manager
+        self.consensus = consensus  # the engine's Consensus: under mlx.launch rank 0's tokens stand
 
     @staticmethod
     def reset_peak():
@@ -243,7 +244,7 @@ class Runner:
         logits = self.forward(plan, ids)
         for r, n in plan:
             _computed(r, n)
-        greedy = mx.argmax(logits, axis=-1)  # every plain greedy row's token, in the same evaluation
+        greedy = self._agreed(mx.argmax(logits, axis=-1))  # every plain greedy row's token, in the same evaluation
         mx.async_eval(logits, greedy, *[c.state for r, _ in plan if r.left for c in r.caches])
         return plan, logits, greedy
 
@@ -288,9 +289,12 @@ class Runner:
 
         self.kv.reserve([(r, 1) for r, _ in nxt])
         logits = self.forward(nxt, greedy)
-        greedy = mx.argmax(logits, axis=-1)
+        greedy = self._agreed(mx.argmax(logits, axis=-1))
         mx.async_eval(logits, greedy)
         return nxt, logits, greedy
+
+    def _agreed(self, greedy):
+        return self.consensus.agree_tokens(greedy) if self.consensus is not None else greedy
 
     @staticmethod
     def computes_while_built(plan: List[tuple]) -> bool:
@@ -319,7 +323,8 @@ class Runner:
         rewrites the logits."""
         if not r.chooser.rewrites:
             return greedy
-        return int(r.chooser.pick(logits[None], r.feed, len(r.feed))[0])
+        tok = int(r.chooser.pick(logits[None], r.feed, len(r.feed))[0])
+        return self.consensus.agree(tok) if self.consensus is not None else tok
 
     def speculate(self, r, drafter, gate, eos) -> Optional[tuple]:
         """Draft after r's pending token and verify the drafts in one pass over r's own pages (rejected drafts

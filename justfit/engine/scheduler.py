@@ -40,10 +40,11 @@ class Scheduler:
     """The waiting queue and the running set, and the decisions over them."""
 
     def __init__(self, kv, step_tokens: int = STEP_TOKENS, max_batch: int = MAX_BATCH,
-                 prefill_with_decode: Optional[int] = None):
+                 prefill_with_decode: Optional[int] = None, consensus=None):
         self.kv = kv  # the KV manager: attach/detach, fits, grow/seq bytes, reserve, preempt, batched mode
         self.step_tokens, self.max_batch = step_tokens, max_batch
-        self.chunks = ChunkSizer(prefill_with_decode or PREFILL_WITH_DECODE, step_tokens, prefill_with_decode is None)
+        self.chunks = ChunkSizer(prefill_with_decode or PREFILL_WITH_DECODE, step_tokens, prefill_with_decode is None,
+                                 consensus)
         self.queue: deque = deque()  # QUEUED / WAITING requests, oldest first (preempted ones at the front)
         self.running: List[Request] = []  # admitted, oldest first
         self.preempted = 0
