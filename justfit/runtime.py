@@ -44,7 +44,9 @@ class Runtime:
         if self.sharding.world_size > 1:  # the drafting gate times steps per rank: ranks would diverge
             drafter, draft_model = "none", None
         self.drafter, self.gate = make_drafter(self.phaseswap, self.tokenizer, self.home, draft_model, drafter)
-        self.index = make_index(self.model, self.tokenizer, self.kv, self.home)
+        kv_share = self.kv_budget()
+        self.index = make_index(self.model, self.tokenizer, self.kv, self.home,
+                                **({"memory_cap": kv_share} if kv_share is not None else {}))
         self.last_stats = TurnStats()
         self.engine = None  # the engine core (justfit/engine), made on first use by batch_engine()
 
@@ -198,19 +200,25 @@ class Runtime:
         return reload_s
 
     # -- the engine core (batching) ----------------------------------------------------------------
+    def kv_budget(self) -> Optional[int]:
+        """The KV share of the memory budget: the budget less every weight PhaseSwap holds for this runtime
+        (the model's, a draft model's, adapters'), resident or released (they come back). The engine's pages
+        and the prefix index's cached pages both live under it; None without a memory budget (the index then
+        keeps its own cap)."""
+        if self.memory_budget is None:
+            return None
+        weights = sum(c.size() for c in self.phaseswap.components.values() if c.kind != "kv")
+        return max(1, self.memory_budget - weights)
+
     def batch_engine(self, kv_budget_bytes: Optional[int] = None, **options):
         """The continuous-batching engine core (engine.Engine) over this runtime's model and page pool,
-        made on first use; kv_budget_bytes bounds its KV pages (default: the memory budget less the
-        weights). Options (step_tokens, max_batch) apply when it is made. A request running alone decodes
+        made on first use; kv_budget_bytes bounds its KV pages (default: kv_budget()). Options (step_tokens, max_batch) apply when it is made. A request running alone decodes
         speculatively with this runtime's drafter; several run as plain batched decodes."""
         if self.engine is None:
-            from mlx.utils import tree_flatten
-
             from .engine import Engine
 
-            if kv_budget_bytes is None and self.memory_budget is not None:
-                weights = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
-                kv_budget_bytes = max(1, self.memory_budget - weights)
+            if kv_budget_bytes is None:
+                kv_budget_bytes = self.kv_budget()
             self.engine = Engine(self.model, self.tokenizer, self.make_cache, index=self.index, kv=self.kv,
                                     budget_bytes=kv_budget_bytes, residency=self.phaseswap, drafter=self.drafter,
                                     gate=self.gate, **options)
