@@ -96,7 +96,7 @@ def model_name(rt) -> str:
     """The name the banner shows: the model's folder (a converted GGUF's, an HF id's) or what was asked for."""
     from pathlib import Path
 
-    path = getattr(rt.model, "justfit_path", None) or str(getattr(rt, "model_spec", "") or "")
+    path = getattr(getattr(rt, "model", None), "justfit_path", None) or str(getattr(rt, "model_spec", "") or "")
     return Path(str(path)).name or str(path) or "the model"
 
 
