@@ -103,6 +103,11 @@ print(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
 def test_openblas_workers_sleep_after_a_call():
     """OpenBLAS workers would spin ~0.1 s after each call, taking the cores parallel attention streams need;
     justfit tells them to sleep at once (a user's own OPENBLAS_THREAD_TIMEOUT wins, here the spinning default)."""
-    idle = float(subprocess.run([sys.executable, "-c", SPIN], env=_env(), capture_output=True, text=True, check=True).stdout)
-    spin = subprocess.run([sys.executable, "-c", SPIN], env=_env(OPENBLAS_THREAD_TIMEOUT="28"), capture_output=True, text=True, check=True)
-    assert idle < 0.03 and float(spin.stdout) > 0.05, (idle, spin.stdout)
+    def cpu_while_asleep(**env) -> float:
+        out = subprocess.run([sys.executable, "-c", SPIN], env=_env(**env), capture_output=True, text=True, check=True)
+        return float(out.stdout)
+
+    idle = cpu_while_asleep()
+    # spinning workers need free cores to show: on a machine busy with other work, try a few times
+    spin = max(cpu_while_asleep(OPENBLAS_THREAD_TIMEOUT="28") for _ in range(3))
+    assert idle < 0.03 and spin > 0.05, (idle, spin)
