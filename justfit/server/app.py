@@ -71,6 +71,7 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     from .messages import router as messages_router
     from .ollama import router as ollama_router
     from .ollama_info import router as ollama_info_router
+    from .responses import router as responses_router
     from .routes import router
 
     server = Server(rt, persist, max_queue, idle_release)
@@ -87,6 +88,7 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     app.include_router(messages_router)
     app.include_router(ollama_router)
     app.include_router(ollama_info_router)
+    app.include_router(responses_router)
     errors.install(app, api_key, max_body)
     if cors:
         from starlette.middleware.cors import CORSMiddleware
@@ -132,7 +134,7 @@ class LogRequests:
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/v1/messages",
           "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps",
-          "/api/version", "/")
+          "/api/version", "/", "/v1/responses")
 
 
 def check_bind(host: str, api_key: Optional[str]):
