@@ -172,7 +172,7 @@ def serve(
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0 picks a free one)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="JUSTFIT_API_KEY", help="Require 'Authorization: Bearer KEY' (env JUSTFIT_API_KEY)."),
     cors: Optional[str] = typer.Option(None, "--cors", help="Allow browser requests from these origins (comma-separated); off by default."),
-    persist: bool = typer.Option(False, "--persist", help="Checkpoint every prompt_cache_key session to disk (as prompt_cache_retention='24h' does per request)."),
+    persist: bool = typer.Option(False, "--persist", help="Checkpoint every prompt_cache_key session to disk (as prompt_cache_retention='24h' does per request), and save the prefix cache at shutdown so every API's prompts are found again after a restart."),
     idle_release: Optional[float] = typer.Option(None, "--idle-release", min=1, help="Release weights and KV after this many idle seconds; the next request reloads them."),
     max_queue: int = typer.Option(64, "--max-queue", min=1, help="Requests waiting beyond this get 503 with retry-after."),
     max_body: int = typer.Option(8 << 20, "--max-body", min=1024, help="Largest request body in bytes (413 beyond)."),

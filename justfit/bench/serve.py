@@ -7,7 +7,8 @@ greedy reply, sent through the APIs asked for (`--apis`: chat completions, OpenA
 Messages; serve_apis.py; mlx_lm.server through chat completions) with `--tools-words` of tool descriptions
 in the system prompt; conversations run at concurrency 1, 4 and 8 (at concurrency c, c conversations send
 their turns at once: justfit batches them in its engine, `max_batch` is the largest batch its /metrics
-saw). Then both servers restart and every conversation sends its next turn (`after-restart`). Timings
+saw). Then both servers restart and every conversation sends its next turn (`after-restart`; justfit serve
+runs with --persist, so its prefix cache is saved at shutdown for the APIs that name no session). Timings
 are medians over interleaved rounds (each round starts both servers fresh, in
 alternating order) with min and max.
 """
@@ -92,7 +93,7 @@ class Server:
         lib = openblas_path()  # the same BLAS for both (justfit's CLI preloads it itself)
         if lib and system == "mlx-lm-server":
             env["LD_PRELOAD"] = f"{lib} {env.get('LD_PRELOAD', '')}".strip()
-        cmd = ([sys.executable, "-m", "justfit", "serve", "--model", folder, "--port", str(self.port)]
+        cmd = ([sys.executable, "-m", "justfit", "serve", "--model", folder, "--port", str(self.port), "--persist"]
                if system == "justfit-serve" else
                [sys.executable, "-m", "mlx_lm", "server", "--model", folder, "--port", str(self.port)])
         self.log = open(home / f"{system}.log", "ab")

@@ -141,7 +141,9 @@ class Worker:
         self.jobs.put(WAKE)
 
     def close(self):
-        """Stop the thread (running requests end with a 503) and checkpoint every open session."""
+        """Stop the thread (running requests end with a 503) and checkpoint every open session; under
+        --persist also write the prefix cache's pages, so after a restart every API's prompts (Anthropic
+        Messages, Responses without a stored response, chat without a session) find their prefixes."""
         self.jobs.put(None)
         self.thread.join(timeout=30)
         for name, s in list(self.sessions.items()):
@@ -150,6 +152,12 @@ class Worker:
             except Exception as e:  # noqa: BLE001  (one bad session must not stop the others' checkpoints)
                 log.warning("session %r: checkpoint on shutdown failed: %s", name, e)
         self.sessions.clear()
+        if self.persist:
+            try:
+                written = self.rt.index.save_pages()
+                log.info("prefix cache saved: %.1f MB written", written / 1e6)
+            except Exception as e:  # noqa: BLE001  (the sessions are saved; only the shared cache is not)
+                log.warning("prefix cache: saving on shutdown failed: %s", e)
 
     # -- the thread -----------------------------------------------------------------------------
     def _loop(self):

@@ -199,6 +199,23 @@ class PrefixIndex:
             self.pool.release([old])
         self.mem[h] = pid
 
+    def save_pages(self) -> int:
+        """Write every sealed page the index holds in memory that the store lacks, so that after a restart
+        any prompt finds them by their chain hashes (a server's shutdown under --persist: plain requests'
+        prefixes, not only sessions'). Returns bytes written."""
+        from .checkpoint import commit
+
+        if not self.persist:
+            return 0
+        new = []
+        for h, pid in list(self.mem.items()):
+            if pid not in self.pool.refs or self.store.has(h):
+                continue
+            pages = [self.pool.get(layer, pid) for layer in range(self.pool.n_layers)]
+            if all(p is not None and p.kind != "open" for p in pages):
+                new.append((h, *page_tensors(pages)))
+        return commit(self.store, self.home, None, new, self.checksums) if new else 0
+
     def new_pages(self, published) -> List[tuple]:
         """(hash, tensors, metadata) of published pages the store does not have yet."""
         return [(h, *page_tensors(pages)) for _, h, pages in published if not self.store.has_valid(h)]

@@ -74,3 +74,30 @@ def test_persisted_session_is_cached_after_restart(default_model_dir, tmp_path):
     cached = r2.usage.prompt_tokens_details.cached_tokens
     # the whole first turn came back from disk (its open page too), only the new message was prefilled
     assert r1.usage.prompt_tokens <= cached < r2.usage.prompt_tokens, (cached, r1.usage, r2.usage)
+
+
+def test_persist_saves_the_prefix_cache_so_an_anthropic_prompt_is_cached_after_restart(default_model_dir, tmp_path):
+    """Under --persist the server writes its prefix cache's sealed pages at shutdown: after a restart a
+    Messages request (no session, no key: what Claude Code sends) finds its prompt's prefix on disk."""
+    body = {"model": "default", "max_tokens": 2, "temperature": 0, "system": SYSTEM,
+            "messages": [{"role": "user", "content": "A weekend in Rome?"}]}
+
+    def ask(url):
+        r = httpx.post(url + "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    s = Served(tmp_path, str(default_model_dir), "--persist")
+    try:
+        first = ask(s.url)
+    finally:
+        s.stop()
+    assert "prefix cache saved" in s.text()
+    s = Served(tmp_path, str(default_model_dir), "--persist")
+    try:
+        again = ask(s.url)
+    finally:
+        s.stop()
+    prompt = first["input_tokens"] + first["cache_read_input_tokens"] + first["cache_creation_input_tokens"]
+    assert first["cache_read_input_tokens"] == 0 and prompt > 512
+    assert again["cache_read_input_tokens"] >= prompt // 256 * 256 - 256, (first, again)  # every sealed page
