@@ -57,7 +57,7 @@ class Reading:
             kind = data.get("type", "")
             if kind in ("response.output_text.delta", "response.function_call_arguments.delta") and data.get("delta"):
                 self.piece()
-            if kind == "response.completed":
+            if kind in ("response.completed", "response.incomplete"):  # incomplete: cut at max_output_tokens
                 usage = (data.get("response") or {}).get("usage") or {}
                 self.completion, self.prompt = usage.get("output_tokens"), usage.get("input_tokens")
                 self.cached = (usage.get("input_tokens_details") or {}).get("cached_tokens")
@@ -71,8 +71,12 @@ class Reading:
                 usage = (data.get("message") or {}).get("usage") or {}
                 read, made = usage.get("cache_read_input_tokens") or 0, usage.get("cache_creation_input_tokens") or 0
                 self.prompt, self.cached = (usage.get("input_tokens") or 0) + read + made, read
-            elif kind == "message_delta":
-                self.completion = (data.get("usage") or {}).get("output_tokens", self.completion)
+            elif kind == "message_delta":  # its usage is the final count (cache reads known only once it ran)
+                usage = data.get("usage") or {}
+                self.completion = usage.get("output_tokens", self.completion)
+                if "cache_read_input_tokens" in usage:
+                    read, made = usage["cache_read_input_tokens"] or 0, usage.get("cache_creation_input_tokens") or 0
+                    self.prompt, self.cached = (usage.get("input_tokens") or 0) + read + made, read
 
     def record(self) -> dict:
         end = time.perf_counter()
