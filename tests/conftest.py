@@ -45,3 +45,14 @@ def serve_runtime(default_model_dir, tmp_path_factory):
     in-process server tests share it (server_support.InProcess) instead of starting one process each."""
     kv = justfit.KVConfig(bits=4, format="affine")
     return justfit.Runtime(model=str(default_model_dir), kv=kv, home=tmp_path_factory.mktemp("serve-home"))
+
+
+@pytest.fixture(scope="module")
+def server(serve_runtime):
+    """The app in this process over the session's serve Runtime, one per test module (a module that needs
+    other server options, or a real process, defines its own `server`)."""
+    from tests.server_support import InProcess
+
+    s = InProcess(serve_runtime)
+    yield s
+    s.stop()

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from .limits import MAX_TOOLS, check_schema, check_value
-from .schema import _In
+from .schema import JSONSchemaSpec, _In
 
 
 class Part(_In):
@@ -48,17 +48,10 @@ class FunctionTool(_In):
         return check_schema(v)
 
 
-class TextFormat(_In):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str = Field("response", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: Optional[str] = None
-    schema_: Optional[Dict[str, Any]] = Field(None, alias="schema")
-    strict: Optional[bool] = None
+class TextFormat(JSONSchemaSpec):
+    """`text.format`: chat's json_schema spec (name, description, schema, strict) flattened beside its type."""
 
-    @field_validator("schema_")
-    @classmethod
-    def _schema_limits(cls, v):
-        return check_schema(v)
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class TextConfig(_In):

@@ -3,16 +3,7 @@ or not, with and without `echo` (a chat reply starts a message, so there the spa
 
 import json
 
-import pytest
 
-from tests.server_support import InProcess
-
-
-@pytest.fixture(scope="module")
-def server(serve_runtime):
-    s = InProcess(serve_runtime)
-    yield s
-    s.stop()
 
 
 def test_completion_keeps_the_first_tokens_space(server):

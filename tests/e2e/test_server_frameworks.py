@@ -5,14 +5,6 @@ valid); what is tested is the wire protocol each framework speaks."""
 
 import pytest
 
-from tests.server_support import InProcess
-
-
-@pytest.fixture(scope="module")
-def server(serve_runtime):
-    s = InProcess(serve_runtime)
-    yield s
-    s.stop()
 
 
 def test_openai_agents_sdk_function_tool(server):

@@ -23,13 +23,6 @@ GREEDY = {"temperature": 0}  # the SDK no longer takes sampling parameters; the 
 
 
 @pytest.fixture(scope="module")
-def server(serve_runtime):
-    s = InProcess(serve_runtime)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120,
                                http_client=server.http)

@@ -8,7 +8,6 @@ import time
 import httpx
 import pytest
 
-from tests.server_support import InProcess
 
 ollama = pytest.importorskip("ollama")
 
@@ -17,13 +16,6 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 GREEDY = {"temperature": 0, "num_predict": 6}
-
-
-@pytest.fixture(scope="module")
-def server(serve_runtime):
-    s = InProcess(serve_runtime)
-    yield s
-    s.stop()
 
 
 class AppTransport(httpx.BaseTransport):

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server_support import InProcess, Served, openapi_validator
+from tests.server_support import Served, openapi_validator
 
 openai = pytest.importorskip("openai")
 
@@ -19,13 +19,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
                           "required": ["city", "unit"]}}
 LONG = "You are a terse assistant for a weather service. " + " ".join(
     f"Rule {i}: answer in one short sentence and never invent a city that was not named." for i in range(30))
-
-
-@pytest.fixture(scope="module")
-def server(serve_runtime):
-    s = InProcess(serve_runtime)
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")
