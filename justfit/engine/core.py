@@ -150,36 +150,36 @@ class Engine:
                 raise
 
     def _step(self) -> int:
-        with self.lock:
-            self.settle()
-            lone, t0, waited = None, time.perf_counter(), False
-            current = self._queued_pass()
-            if current is None:
-                self.scheduler.admit()
-                lone = self.scheduler.lone() if self.drafter is not None else None
-                if lone is not None and self._speculate(lone):
-                    return 1
-                plan = self.scheduler.schedule()
-                if not plan:
-                    return 0
-                t0, waited = time.perf_counter(), True  # built and computed in this call (not queued before)
-                current = self.runner.start(plan)
-            plan, logits, greedy = current
-            self._ahead = self._queue_next(plan, greedy)  # built while this pass computes
-            greedy = greedy.tolist() if greedy is not None else None
-            self.steps += 1
-            now = time.perf_counter()
-            if waited:
-                self.scheduler.chunks.observe(sum(n for _, n in plan), now - t0)
-            self._time_plain(plan, now - t0 if waited else None, now)
-            for j, (r, n) in enumerate(plan):
-                self.kv.publish_sealed(r, r.cached - n)
-                if not r.left and greedy is not None:
-                    self._take(r, self.runner.pick(r, logits[j], greedy[j]), now)
-            self._wait = self._drafter_waits(plan)
-            if self.scheduler.idle():
-                self.runner.enter("idle")
-            return sum(n for _, n in plan)
+        """step() under the lock: one pass and its tokens."""
+        self.settle()
+        lone, t0, waited = None, time.perf_counter(), False
+        current = self._queued_pass()
+        if current is None:
+            self.scheduler.admit()
+            lone = self.scheduler.lone() if self.drafter is not None else None
+            if lone is not None and self._speculate(lone):
+                return 1
+            plan = self.scheduler.schedule()
+            if not plan:
+                return 0
+            t0, waited = time.perf_counter(), True  # built and computed in this call (not queued before)
+            current = self.runner.start(plan)
+        plan, logits, greedy = current
+        self._ahead = self._queue_next(plan, greedy)  # built while this pass computes
+        greedy = greedy.tolist() if greedy is not None else None
+        self.steps += 1
+        now = time.perf_counter()
+        if waited:
+            self.scheduler.chunks.observe(sum(n for _, n in plan), now - t0)
+        self._time_plain(plan, now - t0 if waited else None, now)
+        for j, (r, n) in enumerate(plan):
+            self.kv.publish_sealed(r, r.cached - n)
+            if not r.left and greedy is not None:
+                self._take(r, self.runner.pick(r, logits[j], greedy[j]), now)
+        self._wait = self._drafter_waits(plan)
+        if self.scheduler.idle():
+            self.runner.enter("idle")
+        return sum(n for _, n in plan)
 
     def _queued_pass(self) -> Optional[tuple]:
         """(plan, logits, argmax) of the pass the last step queued, without rows cancelled since; None if none."""
