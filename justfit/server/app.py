@@ -31,6 +31,11 @@ class Server:
         self.n_vocab = vocab_size(rt.model)
         self.gate = None  # conns.Gate, when serve() runs the app
 
+    def models(self) -> list:
+        """Every model this server serves, each with `model_id`, `rt`, `worker` and `metrics` (the memory
+        view and /api/ps read these; one model today)."""
+        return [self]
+
     def check_model(self, name: str, status: int = 400):
         if name not in self.names:
             raise APIError(status, f"model {name!r} is not served here; this server serves {self.model_id!r} "
