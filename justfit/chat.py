@@ -7,7 +7,7 @@ stdout: {"text": ..., "stats": {...}, "stopped": bool}.
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional
 
 import typer
 
@@ -89,7 +89,9 @@ HELP = ("/help      this list\n"
         "/reset     clear the history and start over\n"
         "/stats     the last reply's numbers (also one stopped with Ctrl-C)\n"
         "/exit      quit (or Ctrl-D); Ctrl-C stops a reply and keeps the chat\n"
-        "A line that starts with / is a command, never sent to the model; start it with a space to send it.")
+        '"""        on a line of its own opens a message of several lines, and again closes it\n'
+        "A line that starts with / is a command, never sent to the model; start it with a space to send it.\n"
+        "Piped input (printf 'hi\\nwhat did I say?\\n' | justfit chat) is a scripted chat: a turn per line.")
 
 
 def model_name(rt) -> str:
@@ -121,21 +123,67 @@ def command(line: str, out: "ChatOutput") -> bool:
     return False
 
 
-def _lines(banner: str) -> Iterator[str]:
-    """REPL input: yields each non-empty line; Ctrl-C at the prompt is ignored, Ctrl-D or /exit ends."""
+BLOCK = '"""'
+
+
+def tty_reader(banner: str) -> Callable[[str], str]:
+    """Interactive input: the banner once, then `input(prompt)` with line editing and history; Ctrl-D
+    and Ctrl-C end the prompt's line first, so what follows starts on its own line."""
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
     typer.echo(banner, err=True)
+
+    def read(prompt: str) -> str:
+        try:
+            return input(prompt)
+        except (EOFError, KeyboardInterrupt):
+            typer.echo("", err=True)
+            raise
+
+    return read
+
+
+def script_reader(lines: Iterable[str]) -> Callable[[str], str]:
+    """Scripted input (piped stdin): the next line, no prompt drawn; EOFError at the end."""
+    feed = iter(lines)
+
+    def read(prompt: str = "") -> str:
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    return read
+
+
+def _block(first: str, read: Callable[[str], str]) -> str:
+    """A multi-line entry: from a line that starts with BLOCK (three double quotes) to one that ends with
+    it (the same line or a later one); the end of input closes it too. The markers are dropped, the lines
+    between kept as typed."""
+    parts, line = [], first.lstrip()[len(BLOCK):]
+    while not line.rstrip().endswith(BLOCK):
+        parts.append(line)
+        try:
+            line = read("... ")
+        except EOFError:
+            return "\n".join(parts).strip("\n")
+    parts.append(line.rstrip()[:-len(BLOCK)])
+    return "\n".join(parts).strip("\n")
+
+
+def entries(read: Callable[[str], str]) -> Iterator[str]:
+    """What the user sends, one entry per turn or /command: each non-empty line, or a BLOCK of several
+    lines. Ctrl-C at the prompt (or inside a block) drops what was typed; Ctrl-D or /exit ends."""
     while True:
         try:
-            line = input(">>> ")
+            line = read(">>> ")
+            if line.lstrip().startswith(BLOCK):
+                line = _block(line, read)
         except EOFError:
-            typer.echo("", err=True)
             return
         except KeyboardInterrupt:
-            typer.echo("", err=True)
             continue
         if line.strip() in ("/exit", "/quit"):
             return
@@ -143,11 +191,14 @@ def _lines(banner: str) -> Iterator[str]:
             yield line
 
 
-def repl(rt, system: Optional[str], opts: dict, out: Optional[ChatOutput] = None) -> None:
-    """Interactive chat: history across turns, /help, /reset, /stats, /exit, Ctrl-D exits."""
+def repl(rt, system: Optional[str], opts: dict, out: Optional[ChatOutput] = None,
+         script: Optional[Iterable[str]] = None) -> None:
+    """Chat with history across turns, /help, /reset, /stats, /exit: typed at a prompt, or `script`'s
+    lines (piped stdin), each a turn that sees the ones before it."""
     out = out or ChatOutput()
     messages = _system(system)
-    for line in _lines(banner(rt)):
+    read = tty_reader(banner(rt)) if script is None else script_reader(script)
+    for line in entries(read):
         if line.startswith("/"):
             if command(line, out):
                 messages = _system(system)
@@ -167,18 +218,21 @@ def _show_history(session, to_stderr: bool) -> None:
         typer.echo(f"{m['role']}: {m['content']}", err=to_stderr)
 
 
-def session_chat(rt, name: str, prompt: Optional[str], system: Optional[str], opts: dict, out: Optional[ChatOutput] = None) -> None:
-    """`justfit chat --session NAME`: resume the named session (earlier turns shown), answer `prompt`
-    or run the REPL on it; every turn is checkpointed, so a restart continues where it stopped."""
+def session_chat(rt, name: str, prompt: Optional[str], system: Optional[str], opts: dict,
+                 out: Optional[ChatOutput] = None, script: Optional[Iterable[str]] = None) -> None:
+    """`justfit chat --session NAME`: resume the named session (earlier turns shown), answer `prompt`,
+    `script`'s lines (piped stdin) or the REPL's on it; every turn is checkpointed, so a restart continues
+    where it stopped."""
     out = out or ChatOutput()
     session = rt.session(name)
     try:
-        _show_history(session, to_stderr=prompt is not None or out.json_out)
+        _show_history(session, to_stderr=prompt is not None or script is not None or out.json_out)
         first = _system(system) if not session.tokens else []
         if prompt is not None:
             out.reply(rt, session, first + [{"role": "user", "content": prompt}], opts)
             return
-        for line in _lines(banner(rt, name)):
+        read = tty_reader(banner(rt, name)) if script is None else script_reader(script)
+        for line in entries(read):
             if line.startswith("/"):
                 if command(line, out):
                     session.rewind(len(session.tokens))

@@ -109,7 +109,8 @@ def chat(
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", envvar="JUSTFIT_MEMORY_BUDGET", help="Bytes, '4GB', or a fraction/percent of RAM."),
     avoid_regimes: bool = typer.Option(False, "--avoid-regimes", help="Steer decode budgets around latency cliffs in this device's `justfit probe` map."),
 ):
-    """Chat with a model: interactive on a terminal, one-shot with --prompt or piped stdin.
+    """Chat with a model: interactive on a terminal, one-shot with --prompt, scripted from piped stdin
+    (each line a turn that sees the ones before it; three double quotes open and close a multi-line turn).
 
     Every reply ends with a stats line on stderr (prompt tokens, TTFT, decode speed, peak memory).
     """
@@ -124,9 +125,10 @@ def chat(
         check_name(session)
     if prompt is not None and not prompt.strip():
         raise UserError("--prompt is empty: give the text to answer, or leave --prompt out for the REPL")
-    if prompt is None and not sys.stdin.isatty():
-        prompt = sys.stdin.read().strip()
-        if not prompt:
+    script = None
+    if prompt is None and not sys.stdin.isatty():  # piped: each line (or """ block) a turn, as in the REPL
+        script = sys.stdin.read().splitlines()
+        if not any(line.strip() for line in script):
             raise UserError("nothing to answer: stdin was empty")
     if kv_format is KVFormat.rotated and kv_bits is not KVBits.four:
         raise UserError(f"--kv-format rotated is 4-bit only: use --kv-bits 4 (or --kv-format affine with --kv-bits {kv_bits.value})")
@@ -150,11 +152,11 @@ def chat(
                  steering=steering)
     out = ChatOutput(json_out=json, residency=stats)
     if session is not None:
-        session_chat(rt, session, prompt, system, opts, out)
+        session_chat(rt, session, prompt, system, opts, out, script)
     elif prompt is not None:
         one_shot(rt, prompt, system, opts, out)
     else:
-        repl(rt, system, opts, out)
+        repl(rt, system, opts, out, script)
 
 
 def sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop, seed) -> dict:

@@ -1,5 +1,6 @@
 """The justfit CLI: through typer's runner and as a real subprocess with piped stdin."""
 
+import json
 import os
 import subprocess
 import sys
@@ -53,8 +54,18 @@ def test_chat_piped_stdin_subprocess(default_model_dir, test_home):
     assert "prompt" in r.stderr.splitlines()[-1]
 
 
+def test_chat_piped_lines_are_turns_of_one_chat(default_model_dir, test_home):
+    """Two piped lines are two turns: the second's prompt holds the first turn (reused from the cache)."""
+    r = _justfit(["chat", "--max-tokens", "8", "--json"], test_home,
+                 stdin="My name is Ana.\nWhat is my name?\n")
+    assert r.returncode == 0, r.stderr
+    first, second = [json.loads(line) for line in r.stdout.splitlines()]
+    assert second["stats"]["prompt_tokens"] > first["stats"]["prompt_tokens"] + first["stats"]["generated_tokens"]
+    assert second["stats"]["reused_tokens"] >= first["stats"]["prompt_tokens"]
+
+
 def test_chat_repl_commands_via_stdin_script(default_model_dir, test_home):
-    # Not a TTY, so piped stdin is one prompt; the REPL itself is driven directly.
+    # The REPL driven directly through input(): history, /stats, /reset.
     from justfit.chat import repl
 
     from justfit.turns import TurnStats

@@ -41,7 +41,7 @@ def test_commands_stay_local_and_banner_names_the_model(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert [p[-1] for p in rt.prompts] == ["hello", " /not a command"]
     assert "SmolLM2-135M-Instruct" in err.splitlines()[0]
-    assert "/reset" in err and "/help" in err  # the help text
+    assert "/reset" in err and "/help" in err and '"""' in err  # the help text, multi-line input included
     assert "unknown command '/nope'" in err
 
 
@@ -66,3 +66,68 @@ def test_session_repl_handles_commands_too(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert [p[-1] for p in rt.prompts] == ["hi"]
     assert "SmolLM2-135M-Instruct" in err and "session 'work'" in err and "unknown command '/what'" in err
+
+
+def test_a_triple_quote_block_is_one_multi_line_turn(monkeypatch, capsys):
+    rt = FakeRuntime()
+    _type(monkeypatch, ['"""', "line one", "  line two", '"""', '"""one line"""', '"""first', 'last"""', "after"])
+    repl(rt, None, {})
+    assert [p[-1] for p in rt.prompts] == ["line one\n  line two", "one line", "first\nlast", "after"]
+
+
+def test_ctrl_c_inside_a_block_drops_it(monkeypatch):
+    rt = FakeRuntime()
+    feed = iter(['"""', "half typed", KeyboardInterrupt, "next"])
+
+    def fake_input(prompt=""):
+        item = next(feed, EOFError)
+        if isinstance(item, type) and issubclass(item, BaseException):
+            raise item
+        return item
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+    repl(rt, None, {})
+    assert [p[-1] for p in rt.prompts] == ["next"]
+
+
+def test_piped_stdin_is_a_scripted_chat(monkeypatch):
+    """`printf 'hi\\nwhat did I say?\\n' | justfit chat`: two turns, the second seeing the first; a block
+    spans lines; /reset works as typed; nothing is drawn on stdout but the replies."""
+    from typer.testing import CliRunner
+
+    import justfit.runtime
+    from justfit.cli import app
+
+    rt = FakeRuntime()
+    monkeypatch.setattr(justfit.runtime, "Runtime", lambda **kw: rt)
+    r = CliRunner().invoke(app, ["chat"], input='hi\n\nwhat did I say?\n"""\na poem\nin two lines\n"""\n/reset\nnew\n')
+    assert r.exit_code == 0, r.output
+    assert rt.prompts == [["hi"], ["hi", "what did I say?"], ["hi", "what did I say?", "a poem\nin two lines"],
+                          ["new"]]
+    assert r.stdout == "ok\n" * 4
+
+
+def test_piped_stdin_drives_a_session_turn_by_turn(monkeypatch):
+    from typer.testing import CliRunner
+
+    import justfit.runtime
+    from justfit.cli import app
+
+    rt = FakeRuntime()
+    turns = []
+
+    class Session:
+        name, tokens, messages, kv_tokens, last_stats = "work", [], [], 0, None
+
+        def stream(self, messages, **kw):
+            turns.append([m["content"] for m in messages])
+            return rt.stream(messages, **kw)
+
+        def close(self):
+            pass
+
+    rt.session = lambda name: Session()
+    monkeypatch.setattr(justfit.runtime, "Runtime", lambda **kw: rt)
+    r = CliRunner().invoke(app, ["chat", "--session", "work"], input="one\ntwo\n")
+    assert r.exit_code == 0, r.output
+    assert turns == [["one"], ["two"]]
