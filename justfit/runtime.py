@@ -222,6 +222,7 @@ class Runtime:
             self.engine = Engine(self.model, self.tokenizer, self.make_cache, index=self.index, kv=self.kv,
                                     budget_bytes=kv_budget_bytes, residency=self.phaseswap, drafter=self.drafter,
                                     gate=self.gate, **options)
+            self.phaseswap.meter_kv(self.engine.kv.used_bytes, self.engine.kv.reclaim)  # one KV figure, one budget
         return self.engine
 
     def submit(self, prompt: Prompt, max_tokens: int = 256, **sampling):

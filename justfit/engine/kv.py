@@ -171,6 +171,13 @@ class KVManager:
         """Bytes a sequence holding `cached` tokens grows by when n more are written."""
         return self.kv_bytes.grow(cached, n) if self.kv_bytes is not None else 0
 
+    def reclaim(self, need: int):
+        """PhaseSwap asks for `need` bytes: give back speed copies, then cold cached prefixes, as far as they
+        go (pages a request holds stay)."""
+        self.drop_copies(need)
+        if self.index is not None:
+            self.index.evict_memory(max(0, self.used_bytes() - need))
+
     def seq_bytes(self, n_tokens: int) -> int:
         """KV bytes of a sequence of n_tokens."""
         return self.kv_bytes.seq(n_tokens) if self.kv_bytes is not None else 0

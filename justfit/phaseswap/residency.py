@@ -13,13 +13,14 @@ KV components of the cache in use are leased by prefill/decode/verify as well.
 Eviction order when a phase does not fit (each class oldest-used first): 1. KV pages already
 checkpointed on disk (StateTrans), 2. the draft model, 3. LoRA adapters, 4. other idle weight
 components (layer groups, untied head, embedding, norm), 5. KV pages not yet on disk (spilled first
-through their own unload hook). Leased components are never evicted. If the need still does not fit,
+through their own unload hook). Before any of these, the engine's KV manager gives back its speed copies
+and cold cached prefixes. Leased components are never evicted. If the need still does not fit,
 `MemoryBudgetError` is raised before anything is allocated.
 """
 
 import gc
 import time
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 from .budget import Budget
 from .components import Component
@@ -64,6 +65,10 @@ class Residency:
         self.evictions: List[str] = []
         self.reload_s = 0.0  # time spent loading in the last enter()
         self.kv_of: Dict[int, str] = {}  # id(cache list) -> KV component name
+        # The engine's KV manager, once there is one: its running byte count (every page in the pool, sessions'
+        # included, plus decode's speed copies) stands for all KV here, and it gives back what it can spare.
+        self.kv_meter: Optional[Callable[[], int]] = None
+        self.kv_reclaim: Optional[Callable[[int], None]] = None
 
     # -- registry -------------------------------------------------------------------------------
     def add(self, component: Component) -> Component:
@@ -82,8 +87,17 @@ class Residency:
         self.components.pop(name, None)
         self.kv_of = {k: v for k, v in self.kv_of.items() if v != name}
 
+    def meter_kv(self, used: Callable[[], int], reclaim: Callable[[int], None]):
+        """Count KV by the engine's one figure (`used()`) instead of summing KV components, so the pool's pages
+        are counted once against this budget; `reclaim(n)` frees up to n bytes of speed copies and cold
+        cached prefixes before any component is evicted."""
+        self.kv_meter, self.kv_reclaim = used, reclaim
+
     def resident_bytes(self) -> int:
-        return sum(c.size() for c in self.components.values() if c.resident)
+        """Resident weights plus the KV: the engine's figure when metered, else the KV components' own."""
+        metered = self.kv_meter is not None
+        held = sum(c.size() for c in self.components.values() if c.resident and not (metered and c.kind == "kv"))
+        return held + (self.kv_meter() if metered else 0)
 
     def add_cache(self, name: str, caches, spill_root) -> Component:
         """Register a cache list's KV as a component (spilled to `spill_root` when released)."""
@@ -147,6 +161,9 @@ class Residency:
         return sorted(cands, key=lambda c: (_eviction_class(c), c.last_used))
 
     def _make_room(self, phase: str, names, new_bytes: int, workspace: int):
+        short = self.budget.shortfall(self.resident_bytes(), new_bytes, workspace)
+        if short > 0 and self.kv_reclaim is not None:
+            self.kv_reclaim(short)  # speed copies and cold prefixes: cheaper to rebuild than any component
         victims = self.victims()
         while self.budget.shortfall(self.resident_bytes(), new_bytes, workspace) > 0:
             if not victims:
@@ -171,6 +188,7 @@ class Residency:
                  "roles": list(c.roles), "leases": sorted(self.leases.holders(c.name)),
                  "releasable": c.releasable} for c in self.components.values()]
         return {"phase": self.phase, "resident_bytes": self.resident_bytes(),
+                "kv_bytes": self.kv_meter() if self.kv_meter is not None else None,
                 "budget_bytes": self.budget.limit, "budget": self.budget.describe(),
                 "mlx_active_bytes": mx.get_active_memory(), "components": rows}
 
