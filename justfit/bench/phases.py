@@ -1,7 +1,8 @@
 """`justfit bench phases`: an agent loop with tool phases, JustFit (a session; weights and its KV pages
 released in each tool phase, reloaded just in time; with and without drafting) vs mlx-lm with a prompt
 cache (everything stays resident). Each system runs in its own process, so RSS rows are that system's
-alone. Rows per system, turn and phase."""
+alone. Rows per system, turn and phase; a tool row's rss_ratio is the process's RSS once released over its RSS
+before the phase, and returned_of_released the RSS it gave back over the bytes PhaseSwap released."""
 
 import json
 import os
@@ -170,7 +171,8 @@ def justfit_turns(rt, workload, drafter, tokens, tool_mb, tool_s, rows):
                          rss_bytes=s.peak, mlx_active_bytes=active, released_bytes=released,
                          kv_released_bytes=kv_before - kv_after, kv_restore_s=restore_s, reload_s=t1 - t0,
                          rss_before_bytes=rss_before, rss_after_release_bytes=rss_released,
-                         mlx_active_before_bytes=active_before))
+                         mlx_active_before_bytes=active_before, rss_ratio=rss_released / rss_before,
+                         returned_of_released=(rss_before - rss_released) / released if released else 0.0))
     session.close()
 
 

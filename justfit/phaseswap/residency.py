@@ -20,6 +20,7 @@ and cold cached prefixes. Leased components are never evicted. If the need still
 
 import gc
 import time
+from functools import lru_cache
 from typing import Callable, Dict, Iterable, List, Optional
 
 from .budget import Budget
@@ -46,11 +47,34 @@ def _eviction_class(c: Component) -> int:
 
 
 def release_memory():
-    """Return freed MLX buffers to the OS (dropping references alone leaves them in MLX's cache)."""
+    """Return freed MLX buffers to the OS: dropping references alone leaves them in MLX's cache, and the C
+    allocator keeps what MLX frees in its arenas until asked to trim them."""
     import mlx.core as mx
 
     gc.collect()
     mx.clear_cache()
+    trim_heap()
+
+
+def trim_heap() -> bool:
+    """glibc's malloc_trim(0): give the free pages of every malloc arena back to the OS. False where the C
+    library has none (musl, macOS: their allocators return large blocks by themselves)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@lru_cache(maxsize=1)
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 class Residency:
