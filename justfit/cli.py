@@ -190,7 +190,7 @@ def serve(
     """Serve the model over the OpenAI HTTP API (chat and text completions, tools, JSON output, sessions).
 
     Under `mlx.launch -n N`, rank 0 serves and every rank runs the same batching engine, rank 0 leading
-    (persisted sessions and --idle-release are single-process only; docs/distributed.md).
+    (--idle-release is single-process only; docs/distributed.md).
     """
     from .config import KVConfig
     from .phaseswap import parse_budget

@@ -16,12 +16,16 @@ rank: an `all_sum` of a value that is zero everywhere but on rank 0. `Lead` (ran
 engine's outside calls.
 Greedy tokens agree inside the step's own graph, so the next pass can still be queued before they are read.
 
-Not mirrored: turns on caller-owned caches (sessions; `settle` then feeds nothing, so it needs no
-broadcast) and custom logits processors (code does not travel); both are refused on rank 0 in one line.
+Sessions: rank 0's front holds a `MirroredSession` (distributed/mirrored_session.py) whose calls are
+announced as session calls; each rank runs the same call on its own session, whose turn then submits to its
+own engine (announced only as a `bind` of rank 0's request id). `settle`, which feeds finished turns into
+their sessions' caches, is announced like a step. Not mirrored: turns on other caller-owned caches and custom
+logits processors (code does not travel); both are refused on rank 0 in one line.
 """
 
 import json
 import random
+from contextlib import contextmanager
 from typing import Callable, Dict, Optional
 
 from ..errors import UserError
@@ -134,6 +138,9 @@ class Peer:
     def stepping(self, engine):
         pass
 
+    def settling(self, engine):
+        pass
+
     def failed(self, error: BaseException):
         pass
 
@@ -154,16 +161,35 @@ class Lead(Peer):
                  on_failure: Optional[Callable[[BaseException], None]] = None):
         super().__init__(w)
         self.send, self.grammars, self.on_failure = send, grammars, on_failure
+        self.quiet = False  # a mirrored session's turn is being submitted: announced already, as a session call
+
+    @contextmanager
+    def session_turn(self):
+        """While a mirrored session submits its turn (the other ranks make the same session call), the
+        engine submission inside it is neither refused for its caller-owned caches nor announced again."""
+        self.quiet = True
+        try:
+            yield
+        finally:
+            self.quiet = False
 
     def submitting(self, options: dict, caches, sampling) -> Optional[dict]:
         """Refuse what cannot travel before anything is queued; unseeded sampling gets rank 0's seed."""
+        if self.quiet:
+            return None
         if caches is not None or sampling is not None:
             raise UserError(CALLER_CACHES)
         return to_wire(options, self.grammars)
 
     def submitted(self, request, announced: Optional[dict]):
+        if self.quiet:
+            self.send({"op": "bind", "id": request.id})  # the session turn the other ranks just submitted
+            return
         self.send({"op": "submit", "id": request.id, "tokens": list(request.prompt),
                    "max_tokens": request.max_tokens, "sampling": announced or {}})
+
+    def settling(self, engine):
+        self.send({"op": "settle"})
 
     def cancelling(self, request):
         self.send({"op": "cancel", "id": request.id})
@@ -184,12 +210,15 @@ def state(engine) -> list:
     return [len(s.queue), len(s.running), sum(r.cached for r in live), sum(len(r.feed) for r in live)]
 
 
-def follow(engine, receive: Callable[[], dict], make_constraint: Optional[Callable[[str], object]] = None) -> int:
+def follow(engine, receive: Callable[[], dict], make_constraint: Optional[Callable[[str], object]] = None,
+           open_session: Optional[Callable] = None) -> int:
     """Ranks > 0: make rank 0's engine calls on this rank's engine until it says stop; returns the steps run.
     A submission this rank refuses where rank 0 accepted it, or an engine state other than rank 0's before a
     step, means the ranks are out of step: raised (this rank exits, and rank 0 stops serving) rather than
-    running passes whose collectives no longer match."""
+    running passes whose collectives no longer match. Session calls go to this rank's own sessions (opened
+    with `open_session(name, **options)`, each over this rank's shard of the pages)."""
     requests: Dict[int, object] = {}  # rank 0's request id -> this rank's request
+    sessions = Sessions(open_session, make_constraint)
     steps = 0
     while True:
         msg = receive()
@@ -214,5 +243,45 @@ def follow(engine, receive: Callable[[], dict], make_constraint: Optional[Callab
             r = requests.pop(msg["id"], None)
             if r is not None:
                 engine.cancel(r)
+        elif op == "settle":
+            engine.settle()
+        elif op == "session":
+            sessions.call(msg)
+        elif op == "bind":
+            requests[msg["id"]] = sessions.submitted()
         else:
             raise RuntimeError(f"unknown mirrored call {op!r} from rank 0")
+
+
+class Sessions:
+    """A follower's sessions, by name: rank 0's session calls (open, set_persist, rewind, submit, checkpoint,
+    close) made on this rank's own, in rank 0's order. A call refused here (a UserError) was refused on rank 0
+    too, where the client got the error; nothing changed."""
+
+    def __init__(self, open_session: Optional[Callable], make_constraint: Optional[Callable[[str], object]]):
+        self.open_session, self.make_constraint = open_session, make_constraint
+        self.by_name: Dict[str, object] = {}
+        self.turn = None  # the request the last submitted turn made, until rank 0 binds it to its id
+
+    def call(self, msg: dict):
+        name, call = msg["name"], msg["call"]
+        try:
+            if call == "open":
+                if self.open_session is None:
+                    raise OutOfStep("rank 0 opened a session this rank cannot open")
+                self.by_name[name] = self.open_session(name, **msg["kwargs"])
+            elif call == "submit":
+                self.turn = self.by_name[name].submit(msg["prompt"], msg["max_tokens"],
+                                                      **from_wire(msg["sampling"], self.make_constraint))
+            else:
+                getattr(self.by_name[name], call)(*msg["args"], **msg["kwargs"])
+                if call == "close":
+                    del self.by_name[name]
+        except UserError:
+            self.turn = None
+
+    def submitted(self):
+        if self.turn is None:
+            raise OutOfStep("rank 0 queued a session turn this rank refused: the ranks are out of step")
+        turn, self.turn = self.turn, None
+        return turn

@@ -4,9 +4,9 @@ Rank 0's front gets a `Leader`: the Runtime's API over rank 0's engine, whose ou
 cancel, step) are broadcast before they run; the other ranks replay them on their own engine
 (`follow_turns`), and rank 0's answers decide what each rank would measure differently (mirror.py). So
 requests batch, and tools, JSON output (grammar constraints) and frequency/presence penalties work as on
-one rank. Refused in one line: persisted prompt_cache_key sessions (a session's turns run on its own
-caches, which the other ranks do not hold; a prompt_cache_key without retention is a plain request, and
-prefix reuse still works), custom logits processors, and --idle-release.
+one rank. Persisted prompt_cache_key sessions work too: every rank holds the session over its own shard and
+repeats rank 0's session calls (mirrored_session.py). Refused in one line: custom logits processors and
+--idle-release.
 
 A dead rank: a collective that starts after a rank died raises, but one already inside an evaluation
 (a model step) waits forever (MLX 0.32 ring). So rank 0 also watches the processes of the ranks on its
@@ -28,10 +28,6 @@ from .mirror import CALLER_CACHES, Lead, OutOfStep, Peer, follow, post, receive
 from .world import World, gather_strings, world
 
 log = logging.getLogger("justfit.server")
-SESSIONS = ("prompt_cache_key sessions with retention (and --persist) are not supported by `justfit serve` under "
-            "mlx.launch yet: their turns run on the session's own caches, which the other ranks do not hold; leave "
-            "the retention out (prefix reuse still works) or serve on one rank")
-
 
 def lost(e: BaseException) -> bool:
     """Did a collective fail because a rank went away (ring: 'connection to a peer was lost')?"""
@@ -50,13 +46,25 @@ class Leader:
         self.grammars = make_constraint is not None
         self.lost: Optional[str] = None
         self.engine = None  # rank 0's engine core, its consensus a Lead (made on first use)
+        self.lead: Optional[Lead] = None  # that consensus: announces the engine's calls
         self._posted: tuple = ()  # the last message's collectives, in flight
 
     def __getattr__(self, name):  # model, tokenizer, index, phaseswap, home, sharding, encode ...
         return getattr(self.rt, name)
 
     def session(self, name, **options):
-        raise UserError(SESSIONS if name is not None else CALLER_CACHES)
+        """A named session that every rank opens over its own shard (mirrored_session.py)."""
+        from .mirrored_session import MirroredSession
+
+        if name is None:
+            raise UserError(CALLER_CACHES)
+        with self.batch_engine().lock:
+            self.announce({"op": "session", "name": name, "call": "open", "kwargs": options})
+            return MirroredSession(self, self.rt.session(name, **options))
+
+    def announce(self, msg: dict):
+        """Send one call to the other ranks (under the engine's lock: in the engine's own order)."""
+        self._send(msg)
 
     def batch_engine(self, *args, **options):
         """The Runtime's engine core, its calls mirrored to the other ranks (made on first use; engine
@@ -65,7 +73,8 @@ class Leader:
             raise UserError("engine options are not mirrored under mlx.launch; use the defaults")
         if self.engine is None:
             self.engine = self.rt.batch_engine()
-            self.engine.use_peer(Lead(self.world, self._send, self.grammars, self._failed))
+            self.lead = Lead(self.world, self._send, self.grammars, self._failed)
+            self.engine.use_peer(self.lead)
         return self.engine
 
     def submit(self, prompt, max_tokens: int = 256, **sampling):
@@ -134,7 +143,7 @@ def follow_turns(rt, w: Optional[World] = None, make_constraint: Optional[Callab
     w = w or world()
     engine = rt.batch_engine()
     engine.use_peer(Peer(w))
-    return follow(engine, lambda: receive(w), make_constraint)
+    return follow(engine, lambda: receive(w), make_constraint, open_session=rt.session)
 
 
 def peers(w: World) -> list:

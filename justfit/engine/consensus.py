@@ -4,7 +4,7 @@ Under `mlx.launch` every rank runs the same engine over its own shard of the mod
 must line up collective for collective. Three of the engine's answers are each rank's own: whether bytes
 fit the KV budget (a rank counts its shard), how many prefill rows a decoding step carries (from step
 times a rank measures) and the tokens (a shard's logits can differ in their last bits); and the calls from
-outside (submit, cancel, step) reach rank 0 only. So the engine's parts ask a `Consensus` at those points:
+outside (submit, cancel, step, settle) reach rank 0 only. So the engine's parts ask a `Consensus` at those points:
 alone, every answer stands and nothing is announced; distributed/mirror.py plugs in a peer that announces
 rank 0's calls to the other ranks and makes rank 0's answers every rank's.
 """
@@ -27,6 +27,9 @@ class Alone:
 
     def stepping(self, engine):
         """A step is about to run."""
+
+    def settling(self, engine):
+        """Finished turns are about to be fed into their caller-owned caches, outside a step."""
 
     def failed(self, error: BaseException):
         """A step raised (a lost rank, under mlx.launch)."""
@@ -59,6 +62,9 @@ class Consensus:
 
     def stepping(self, engine):
         self.peer.stepping(engine)
+
+    def settling(self, engine):
+        self.peer.settling(engine)
 
     def failed(self, error: BaseException):
         self.peer.failed(error)

@@ -88,7 +88,7 @@ class Engine:
         req = Request(self, next(self._ids), tokens, max_tokens, sampling, self.tokenizer, caches, reused, progress,
                       stats, on_done)
         with self.lock:
-            self.settle()
+            self._settle()
             if self.scheduler.idle():
                 self.runner.reset_peak()
             self.scheduler.add(req)
@@ -114,7 +114,14 @@ class Engine:
     def settle(self):
         """Feed finished turns' last tokens into their caller-owned caches (done once their callers have read
         the last chunk, before the next step or submission, so those caches hold whole turns again); then
-        each request's on_done."""
+        each request's on_done. Announced like a step (it runs the model on caller-owned caches)."""
+        with self.lock:
+            if self._tails:
+                self.consensus.settling(self)
+            self._settle()
+
+    def _settle(self):
+        """settle() as part of a call already announced (a step, a submission, a cancel)."""
         with self.lock:
             tails, self._tails = self._tails, []
             for r, caches, ids in tails:
@@ -151,7 +158,7 @@ class Engine:
 
     def _step(self) -> int:
         """step() under the lock: one pass and its tokens."""
-        self.settle()
+        self._settle()
         lone, t0, waited = None, time.perf_counter(), False
         current = self._queued_pass()
         if current is None:
@@ -283,7 +290,7 @@ class Engine:
         if r.given is None:
             r.settled()
         elif reason == "cancelled":
-            self.settle()
+            self._settle()
 
     # -- reporting ---------------------------------------------------------------------------------
     def used_bytes(self) -> int:

@@ -1,8 +1,8 @@
 """`mlx.launch -n 2 -- justfit serve`: rank 0 owns HTTP, every rank runs the one engine core with rank 0
 leading. Real clients on loopback get from 2 ranks what a one-process server gives (greedy, 16-bit pages):
 plain and streamed replies, three concurrent streams that run as one batch, a forced tool call, a
-json_schema reply and frequency/presence penalties; a prompt_cache_key without retention reuses the
-prefix, one with retention is refused in one line; a rank killed with SIGKILL mid-reply makes the front
+json_schema reply and frequency/presence penalties; a prompt_cache_key reuses the prefix, and with retention
+it is a session every rank checkpoints; a rank killed with SIGKILL mid-reply makes the front
 report it and exit 1 within a bounded time."""
 
 import asyncio
@@ -51,7 +51,7 @@ class Ranks:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = launch_command(2, [sys.executable, "-m", "justfit", "serve", "--model", folder, "--port", self.port,
                                  "--kv-bits", "16", *args])
-        self.err_path = home / "launch.err"
+        self.home, self.err_path = home, home / "launch.err"
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.err_path, "wb"),
                                      env=env(JUSTFIT_HOME=home, PYTHONUNBUFFERED=1))
         deadline = time.time() + timeout
@@ -199,11 +199,21 @@ def test_serve_two_ranks_prompt_cache_key(two):
     second = c.chat.completions.create(model="default", messages=turns[1], max_tokens=8, temperature=0,
                                        prompt_cache_key=key)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
-    refused = httpx.post(two.url + "/v1/chat/completions", timeout=60, json={
-        "model": "default", "messages": turns[0], "max_tokens": 4, "prompt_cache_key": key,
-        "prompt_cache_retention": "24h"})
-    assert refused.status_code == 400 and "mlx.launch" in refused.json()["error"]["message"], refused.text
-    assert _ask(two.url, PROMPTS[0])  # the ranks are still in step after the refusal
+    kept, replies = "two-ranks-kept", []
+    for messages in turns:  # a persisted session: every rank holds it over its own shard of the pages
+        r = c.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0,
+                                      prompt_cache_key=kept, extra_body={"prompt_cache_retention": "24h"})
+        replies.append(r)
+    assert replies[0].choices[0].message.content == first.choices[0].message.content  # same tokens as a plain request
+    assert replies[1].usage.prompt_tokens_details.cached_tokens >= replies[0].usage.prompt_tokens
+    assert _ask(two.url, PROMPTS[0])  # the ranks are still in step (and rank 1 has replayed every turn before)
+    from justfit.statetrans.manifest import read_manifest
+
+    world = json.loads((two.home / "sessions" / "world" / f"{kept}.json").read_text())
+    ranks = [read_manifest(two.home, r["session"]) for r in world["ranks"]]  # each rank's own checkpoint
+    assert len(ranks) == 2 and all(m is not None and len(m.tokens) > replies[0].usage.prompt_tokens for m in ranks)
+    assert ranks[0].tokens == ranks[1].tokens  # the same history on both ranks, each over its own shard
+    assert ranks[0].model_fingerprint != ranks[1].model_fingerprint
 
 
 @pytest.mark.slow

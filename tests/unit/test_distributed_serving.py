@@ -85,10 +85,41 @@ def test_an_engine_replaying_the_leader_s_calls_computes_the_same_requests(tiny)
     assert follow(other.engine, lambda: next(replay)) == ops.count("step")
     assert [r.out for r in seen] == [want[0], want[0], want[1], []]
     assert seen[3].finish_reason == "cancelled" and other.engine.steps == engine.steps - steps0
-    with pytest.raises(UserError, match="prompt_cache_key"):
-        leader.session("s")
-    with pytest.raises(UserError, match="prompt_cache_key"):  # a turn on caller-owned caches (a session's)
+    with pytest.raises(UserError, match="prompt_cache_key"):  # a turn on caller-owned caches outside a session
         engine.submit(rt.encode("hi"), 4, caches=rt.make_cache(), reused=0)
+
+
+def test_a_mirrored_sessions_calls_replay_on_the_other_ranks_own_session(tiny):
+    from statetrans_util import runtime
+
+    from justfit.statetrans.manifest import read_manifest
+
+    folder, base = tiny
+    rt, other = runtime(folder, base / "lead", bits=16), runtime(folder, base / "follow", bits=16)
+    leader = Leader(rt)
+    sent = []
+    leader._send = sent.append
+    s = leader.session("notes")
+    for text in ("hello there", "and the river bank?"):
+        turn = s.submit(text, 6)
+        leader.batch_engine().run([turn])
+        leader.batch_engine().settle()  # the turn's last token into the session's caches, announced
+    s.close()
+    ops = [(m["op"], m.get("call")) for m in sent]
+    assert ops[:3] == [("session", "open"), ("session", "submit"), ("bind", None)]
+    assert ("settle", None) in ops and ops[-1] == ("session", "close")
+    turns = []
+    real_submit = other.batch_engine().submit
+
+    def submit(*args, **kwargs):
+        turns.append(real_submit(*args, **kwargs))
+        return turns[-1]
+
+    other.engine.submit = submit
+    follow(other.engine, lambda it=iter(sent + [{"op": "stop"}]): next(it), open_session=other.session)
+    assert len(turns) == 2 and all(t.given is not None for t in turns)  # on the follower's own session caches
+    mine, theirs = read_manifest(rt.home, "notes"), read_manifest(other.home, "notes")
+    assert theirs is not None and theirs.tokens == mine.tokens and len(mine.tokens) > 12
 
 
 def test_a_rank_out_of_step_raises(tiny):
