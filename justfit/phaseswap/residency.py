@@ -185,16 +185,21 @@ class Residency:
         return sorted(cands, key=lambda c: (_eviction_class(c), c.last_used))
 
     def _make_room(self, phase: str, names, new_bytes: int, workspace: int):
-        short = self.budget.shortfall(self.resident_bytes(), new_bytes, workspace)
+        short = self.budget.shortfall(self._counted(), new_bytes, workspace)
         if short > 0 and self.kv_reclaim is not None:
             self.kv_reclaim(short)  # speed copies and cold prefixes: cheaper to rebuild than any component
         victims = self.victims()
-        while self.budget.shortfall(self.resident_bytes(), new_bytes, workspace) > 0:
+        while self.budget.shortfall(self._counted(), new_bytes, workspace) > 0:
             if not victims:
                 needed = {n: self.components[n].size() for n in names}
                 self.budget.refuse(phase, needed, self.resident_bytes(), new_bytes, workspace)
             self._unload(victims.pop(0))
             release_memory()
+
+    def _counted(self) -> int:
+        """Resident bytes where a byte limit reads them (without one only the live memory check runs: every
+        step enters a phase, so the count is not taken for nothing)."""
+        return self.resident_bytes() if self.budget.limit is not None else 0
 
     def _unload(self, c: Component) -> int:
         n = c.size()
