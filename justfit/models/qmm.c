@@ -288,12 +288,17 @@ int qmm(const float* x, int M, int K, const job_t* jobs, int njobs, int bits, in
     float* xp = calloc((size_t)M * Kp + (size_t)M * G, sizeof(float));
     if (!xp) return -1;
     float* xsum = xp + (size_t)M * Kp;
-    for (int m = 0; m < M; m++) {
+    for (int m = 0; m < M; m++) { /* block b, word w, code j: x[b B + w E + j] goes to xp[b B + j L + w] */
         const float* xr = x + (size_t)m * K;
-        for (int k = 0; k < K; k++) {
-            int blk = k / B, w = (k % B) / E, j = k % E;
-            xp[(size_t)m * Kp + (size_t)blk * B + j * L + w] = xr[k];
-            xsum[(size_t)m * G + k / gs] += xr[k];
+        float* xo = xp + (size_t)m * Kp;
+        for (int b = 0, k = 0; b < Kp; b += B)
+            for (int w = 0; w < L; w++)
+                for (int j = 0; j < E; j++, k++)
+                    if (k < K) xo[b + j * L + w] = xr[k];
+        for (int g = 0; g < G; g++) {
+            float sum = 0;
+            for (int k = g * gs; k < (g + 1) * gs; k++) sum += xr[k];
+            xsum[(size_t)m * G + g] = sum;
         }
     }
     task_t t = {xp, xsum, jobs, M, K, Kp, G, bits, gs, variant, njobs, threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads, 0};
