@@ -57,8 +57,13 @@ class RowMajorEmbedding(nn.Module):
 
 
 def enabled() -> bool:
-    """Row-major on the CPU backend unless JUSTFIT_ROW_MAJOR=0 (Metal and CUDA have their own GEMV)."""
-    return not switched_off("JUSTFIT_ROW_MAJOR") and backend() == "cpu"
+    """Row-major on the CPU backend when it was measured faster here (tuning.py), unless JUSTFIT_ROW_MAJOR=0
+    (Metal and CUDA have their own GEMV)."""
+    if switched_off("JUSTFIT_ROW_MAJOR") or backend() != "cpu":
+        return False
+    from . import tuning
+
+    return tuning.choices()["row_major"]
 
 
 def row_major(model) -> int:

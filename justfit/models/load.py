@@ -25,14 +25,19 @@ def _check_chat_template(tokenizer, spec: str):
 
 
 def weight_policy(model) -> str:
-    """fp32 on CPU when the dequantized weights take at most a quarter of RAM (MLX CPU quantized
-    matmul is slow and skips BLAS); else keep weights as stored. JUSTFIT_WEIGHTS overrides."""
+    """On the CPU: the weights as stored (4/8-bit, computed by qmm.c: qlinear.py) when the kernel runs here
+    and was measured faster than float32 weights (tuning.py); else fp32 when the dequantized weights take
+    at most a quarter of RAM (MLX's CPU quantized matmul is slow); else as stored. JUSTFIT_WEIGHTS overrides."""
     choice = os.environ.get("JUSTFIT_WEIGHTS", "auto")
     if choice not in WEIGHT_POLICIES:
         raise UserError(f"JUSTFIT_WEIGHTS must be one of {', '.join(WEIGHT_POLICIES)}, not {choice!r}")
     if choice != "auto":
         return choice
     if backend() != "cpu":
+        return "quantized"
+    from . import qmm, tuning
+
+    if qmm.available() and tuning.choices()["quantized"]:
         return "quantized"
     import psutil
 
@@ -65,7 +70,7 @@ def load(spec: str = "default", home=None, weights: str = None):
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load as mlx_load
 
-    from . import layout
+    from . import layout, qlinear
 
     path = resolve(spec, home)
     try:
@@ -84,7 +89,8 @@ def load(spec: str = "default", home=None, weights: str = None):
     if policy == "fp32":
         dequantize_model(model)
     if backend() == "cpu":
-        _to_float32(model)
+        _to_float32(model)  # float32 scales and biases too: what qmm.c reads
+        qlinear.use_kernel(model)  # quantized layers left: qmm.c for decode, BLAS on a dequantized layer for prefill
     mx.eval(model.parameters())
     if layout.enabled():
         layout.row_major(model)  # x @ W, not x @ W.T: faster one-row products on the CPU (layout.py)

@@ -17,6 +17,16 @@ from tests.kvexec_families import SPECIAL, build, families, greedy
 IDS = mx.array([[3, 17, 99, 5, 42, 7]])
 
 
+@pytest.fixture(autouse=True)
+def _float32_row_major(monkeypatch):
+    """These tests are about the float32 weights' row-major layout: that path, whatever this machine measured
+    (models/tuning.py picks the default weights and layout)."""
+    from justfit.models import tuning
+
+    monkeypatch.setenv("JUSTFIT_WEIGHTS", "fp32")
+    monkeypatch.setitem(tuning.choices(), "row_major", True)
+
+
 def _tiny_llama(tied: bool):
     mx.random.seed(1)
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
