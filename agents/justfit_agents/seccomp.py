@@ -1,18 +1,26 @@
-"""A seccomp-BPF filter built with ctypes: no sockets, no ptrace, no mounts or namespaces, no leaving
-the process group, no kernel-module/keyring/bpf/io_uring/fanotify calls, and the calls that act on
-another process by pid (rlimits, priority, CPU affinity, scheduling, memory policy) only on the caller
-itself (pid 0): a sandboxed program cannot lower the limits of the agent that launched it. Syscalls
-numbered past the reviewed table (KNOWN_BELOW: calls added after Linux 6.14's removexattrat) are
-refused with ENOSYS, so a newer kernel's new calls stay closed until reviewed; libc falls back on ENOSYS. Denied calls fail with an errno (the
-program sees EPERM/EACCES and can say so); a foreign syscall ABI kills the process.
+"""A seccomp-BPF allowlist built with ctypes: a tool process may make only the syscalls that Python and
+the shell tools need (ALLOW, by purpose); every other call fails with EPERM, and calls numbered past the
+reviewed table (KNOWN_BELOW: newer than Linux 6.14) with ENOSYS, so libc falls back as on an older
+kernel and a new kernel's new calls stay closed until reviewed. A few allowed calls have their arguments
+checked: `socketpair` only for AF_UNIX (no `socket()` at all: EACCES), `clone` only without namespace
+flags (`clone3` hides its flags in memory: ENOSYS, libc falls back to `clone`), and the calls that act
+on a process by pid (rlimits, priority, CPU affinity, scheduling, memory policy) only on the caller
+itself (pid 0). A foreign syscall ABI (another audit arch, x86_64's x32) never reaches the table.
 
-No relative imports: the launcher (confine.py) loads this file as a top-level module.
+The list was derived by tracing the tools' workloads (benchmarks/repro/seccomp_inventory.py) and then
+widened by purpose only with calls that act on the caller's own memory, files, time and signals.
+The launcher (confine.py) loads this file as a top-level module, so the table import works both ways.
 """
 
 import ctypes
 import errno
 import platform
 import struct
+
+try:
+    from . import syscalls
+except ImportError:  # loaded by the launcher as a top-level module
+    import syscalls
 
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 RET_KILL_PROCESS, RET_ALLOW, RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
@@ -22,42 +30,49 @@ KNOWN_BELOW = 467  # x86_64 and aarch64 share numbers from 424 on; 467+ (open_tr
 CLONE_NS = 0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x02000000
 #          NEWNS        NEWUTS       NEWIPC       NEWUSER      NEWPID       NEWNET       NEWCGROUP
 
-# syscall numbers per architecture: (audit arch, {name: nr})
-ARCHES = {
-    "x86_64": (0xC000003E, dict(
-        socket=41, socketpair=53, clone=56, clone3=435, ptrace=101, process_vm_readv=310, process_vm_writev=311,
-        mount=165, umount2=166, pivot_root=155, chroot=161, unshare=272, setns=308, setsid=112, setpgid=109,
-        io_uring_setup=425, io_uring_enter=426, io_uring_register=427, bpf=321, perf_event_open=298,
-        keyctl=250, add_key=248, request_key=249, kexec_load=246, kexec_file_load=320, init_module=175,
-        finit_module=313, delete_module=176, reboot=169, swapon=167, swapoff=168, acct=163, syslog=103,
-        userfaultfd=323, open_by_handle_at=304, pidfd_getfd=438, kcmp=312, iopl=172, ioperm=173,
-        open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-        prlimit64=302, setpriority=141, sched_setparam=142, sched_setscheduler=144, sched_setaffinity=203,
-        sched_setattr=314, ioprio_set=251, migrate_pages=256, move_pages=279, get_robust_list=274,
-        process_madvise=440, process_mrelease=448, fanotify_init=300)),
-    "aarch64": (0xC00000B7, dict(
-        socket=198, socketpair=199, clone=220, clone3=435, ptrace=117, process_vm_readv=270, process_vm_writev=271,
-        mount=40, umount2=39, pivot_root=41, chroot=51, unshare=97, setns=268, setsid=157, setpgid=154,
-        io_uring_setup=425, io_uring_enter=426, io_uring_register=427, bpf=280, perf_event_open=241,
-        keyctl=219, add_key=217, request_key=218, kexec_load=104, kexec_file_load=294, init_module=105,
-        finit_module=273, delete_module=106, reboot=142, swapon=224, swapoff=225, acct=89, syslog=116,
-        userfaultfd=282, open_by_handle_at=265, pidfd_getfd=438, kcmp=272,
-        open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-        prlimit64=261, setpriority=140, sched_setparam=118, sched_setscheduler=119, sched_setaffinity=122,
-        sched_setattr=274, ioprio_set=30, migrate_pages=238, move_pages=239, get_robust_list=100,
-        process_madvise=440, process_mrelease=448, fanotify_init=262)),
-}
-DENY_EPERM = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot",
-              "unshare", "setns", "setsid", "setpgid", "io_uring_setup", "io_uring_enter", "io_uring_register",
-              "bpf", "perf_event_open", "keyctl", "add_key", "request_key", "kexec_load", "kexec_file_load",
-              "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "syslog",
-              "userfaultfd", "open_by_handle_at", "pidfd_getfd", "kcmp", "iopl", "ioperm", "open_tree",
-              "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "process_madvise",
-              "process_mrelease", "fanotify_init")
+ALLOW = (
+    # files: data, descriptors, sync of the caller's own files (not `sync`/`syncfs`: every disk of the host)
+    "read write readv writev pread64 pwrite64 preadv pwritev preadv2 pwritev2 open openat openat2 creat close "
+    "close_range lseek dup dup2 dup3 fcntl flock fsync fdatasync sync_file_range ftruncate truncate fallocate "
+    "fadvise64 readahead sendfile copy_file_range splice tee "
+    # names and metadata (Landlock and the private mount namespace decide what exists); xattrs read-only
+    "stat fstat lstat newfstatat statx statfs fstatfs access faccessat faccessat2 readlink readlinkat getdents "
+    "getdents64 getcwd chdir fchdir mkdir mkdirat rmdir unlink unlinkat rename renameat renameat2 link linkat "
+    "symlink symlinkat chmod fchmod fchmodat fchmodat2 chown fchown fchownat lchown utime utimes futimesat "
+    "utimensat umask mknod mknodat getxattr lgetxattr fgetxattr listxattr llistxattr flistxattr inotify_init "
+    "inotify_init1 inotify_add_watch inotify_rm_watch "
+    # the caller's own memory
+    "brk mmap munmap mremap mprotect madvise mincore msync membarrier mbind get_mempolicy set_mempolicy "
+    "memfd_create pkey_alloc pkey_free pkey_mprotect mseal map_shadow_stack "
+    # processes and threads (the PID namespace and Landlock's scoping keep pids and signals inside the call)
+    "fork vfork execve execveat exit exit_group wait4 waitid kill tkill tgkill rt_sigqueueinfo rt_tgsigqueueinfo "
+    "pidfd_open pidfd_send_signal getpid getppid gettid getpgid getpgrp getsid getuid geteuid getgid getegid "
+    "getgroups getresuid getresgid capget prctl arch_prctl set_tid_address set_robust_list rseq futex futex_waitv "
+    "futex_wake futex_wait futex_requeue sched_yield sched_getaffinity sched_getparam sched_getscheduler "
+    "sched_get_priority_max sched_get_priority_min sched_rr_get_interval sched_getattr getpriority ioprio_get "
+    "getcpu getrusage times sysinfo uname getrlimit setrlimit "
+    # time and timers (reading clocks; setting them needs capabilities the call does not have)
+    "clock_gettime clock_getres clock_nanosleep nanosleep gettimeofday time timer_create timer_settime "
+    "timer_gettime timer_getoverrun timer_delete timerfd_create timerfd_settime timerfd_gettime alarm getitimer "
+    "setitimer "
+    # signals to the caller's own handlers
+    "rt_sigaction rt_sigprocmask rt_sigreturn rt_sigpending rt_sigtimedwait rt_sigsuspend sigaltstack signalfd "
+    "signalfd4 pause restart_syscall "
+    # waiting on descriptors, terminal-less ioctls, randomness
+    "pipe pipe2 eventfd eventfd2 epoll_create epoll_create1 epoll_ctl epoll_wait epoll_pwait epoll_pwait2 poll "
+    "ppoll select pselect6 ioctl getrandom "
+    # data on the AF_UNIX pairs socketpair makes (no connect/bind/listen/accept: no socket can name a peer)
+    "sendto recvfrom sendmsg recvmsg sendmmsg recvmmsg shutdown getsockname getpeername getsockopt setsockopt "
+    # System V IPC, private to the call's IPC namespace
+    "shmget shmat shmdt shmctl semget semop semtimedop semctl msgget msgsnd msgrcv msgctl"
+).split()
+REFUSE = {"socket": errno.EACCES, "clone3": errno.ENOSYS}  # refused with their own errno (why: module doc)
 # calls allowed only when their pid argument (by index; the kernel reads an int) is 0, the caller itself
 SELF_ONLY = {"prlimit64": 0, "setpriority": 1, "sched_setparam": 0, "sched_setscheduler": 0,
              "sched_setaffinity": 0, "sched_setattr": 0, "ioprio_set": 1, "migrate_pages": 0, "move_pages": 0,
              "get_robust_list": 0}
+# syscall numbers per architecture: (audit arch, {name: nr})
+ARCHES = {"x86_64": (0xC000003E, syscalls.numbers("x86_64")), "aarch64": (0xC00000B7, syscalls.numbers("aarch64"))}
 
 
 class SeccompError(OSError):
@@ -75,28 +90,54 @@ def arch() -> str:
     return m if m in ARCHES and platform.system() == "Linux" else ""
 
 
+def allowed(machine: str) -> list:
+    """The sorted syscall numbers ALLOW names on one architecture (a call it lacks is skipped; a name
+    the table does not know is an error, so a typo cannot silently drop or add a call)."""
+    nr = ARCHES[machine][1]
+    known = set().union(*(table for _, table in ARCHES.values()))
+    unknown = [n for n in ALLOW if n not in known]
+    if unknown:
+        raise ValueError(f"seccomp: no syscall number for {', '.join(unknown)}")
+    return sorted({nr[n] for n in ALLOW if n in nr})
+
+
+def _ranges(numbers: list) -> list:
+    """Consecutive numbers merged into (first, last) ranges, ascending."""
+    out = []
+    for n in numbers:
+        if out and n == out[-1][1] + 1:
+            out[-1] = (out[-1][0], n)
+        else:
+            out.append((n, n))
+    return out
+
+
 def program(machine: str = None) -> bytes:
     """The BPF program (struct sock_filter[]) for one architecture, as bytes."""
-    audit, nr = ARCHES[machine or arch()]
+    machine = machine or arch()
+    audit, nr = ARCHES[machine]
     deny = lambda e: RET_ERRNO | e  # noqa: E731
     p = [_ins(LD_W_ABS, 4), _ins(JEQ_K, audit, 1, 0), _ins(RET_K, RET_KILL_PROCESS), _ins(LD_W_ABS, 0)]
     if audit == ARCHES["x86_64"][0]:  # x32 syscalls share the arch value: refuse them all
         p += [_ins(JGE_K, 0x40000000, 0, 1), _ins(RET_K, deny(errno.EPERM))]
-    p += [_ins(JGE_K, KNOWN_BELOW, 0, 1), _ins(RET_K, deny(errno.ENOSYS))]  # deny by default past the table
-    for name in DENY_EPERM:
-        if name in nr:
-            p += [_ins(JEQ_K, nr[name], 0, 1), _ins(RET_K, deny(errno.EPERM))]
-    p += [_ins(JEQ_K, nr["socket"], 0, 1), _ins(RET_K, deny(errno.EACCES))]  # no socket(), any family
-    p += [_ins(JEQ_K, nr["clone3"], 0, 1), _ins(RET_K, deny(errno.ENOSYS))]  # flags hidden in memory: libc falls back to clone
-    # socketpair only for AF_UNIX (connected pairs reach nothing outside); clone without namespace flags
+    p += [_ins(JGE_K, KNOWN_BELOW, 0, 1), _ins(RET_K, deny(errno.ENOSYS))]  # past the reviewed table
+    for name, err in REFUSE.items():
+        p += [_ins(JEQ_K, nr[name], 0, 1), _ins(RET_K, deny(err))]
+    # socketpair only for AF_UNIX (connected pairs reach nothing outside)
     p += [_ins(JEQ_K, nr["socketpair"], 0, 4), _ins(LD_W_ABS, 16), _ins(JEQ_K, AF_UNIX, 0, 1),
           _ins(RET_K, RET_ALLOW), _ins(RET_K, deny(errno.EACCES))]
     for name, arg in SELF_ONLY.items():  # pid != 0: another process, refused
         p += [_ins(JEQ_K, nr[name], 0, 4), _ins(LD_W_ABS, 16 + 8 * arg), _ins(JEQ_K, 0, 0, 1),
               _ins(RET_K, RET_ALLOW), _ins(RET_K, deny(errno.EPERM))]
-    p += [_ins(JEQ_K, nr["clone"], 0, 3), _ins(LD_W_ABS, 16), _ins(JSET_K, CLONE_NS, 0, 1),
-          _ins(RET_K, deny(errno.EPERM))]
-    p += [_ins(RET_K, RET_ALLOW)]
+    # clone without namespace flags
+    p += [_ins(JEQ_K, nr["clone"], 0, 4), _ins(LD_W_ABS, 16), _ins(JSET_K, CLONE_NS, 0, 1),
+          _ins(RET_K, deny(errno.EPERM)), _ins(RET_K, RET_ALLOW)]
+    # the allowlist as ascending ranges: past this range's end -> the next range; inside -> allow; before
+    # its start -> no later range can hold it either -> deny
+    for first, last in _ranges(allowed(machine)):
+        p += [_ins(JGE_K, last + 1, 3, 0), _ins(JGE_K, first, 0, 1), _ins(RET_K, RET_ALLOW),
+              _ins(RET_K, deny(errno.EPERM))]
+    p += [_ins(RET_K, deny(errno.EPERM))]
     return b"".join(p)
 
 
