@@ -21,14 +21,29 @@ def _page_path(home: Path, model_fp: str, h: str) -> Path:
     return home / "store" / model_fp / "pages" / h[:2] / f"{h}.safetensors"
 
 
+def _pages(m) -> list:
+    """Every page file holding the session's tokens: the sealed pages, then the open (partial) last one,
+    which is all a session shorter than one page has."""
+    return m.pages + ([m.open_page] if m.open_page else [])
+
+
 def _disk_bytes(home: Path, m) -> int:
     total = 0
-    for p in m.pages:
+    for p in _pages(m):
         try:
             total += _page_path(home, m.model_fingerprint, p["hash"]).stat().st_size
         except OSError:
             pass
     return total
+
+
+def _aligned(header: list, rows: list, right: set) -> list:
+    """Lines of a table whose columns are as wide as their widest cell (numbers right-aligned), so the
+    columns line up for any name length, on a terminal or in a pipe."""
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+            for row in cells]
 
 
 def _ago(t: float) -> str:
@@ -50,11 +65,12 @@ def list_sessions():
     if not rows:
         typer.echo(f"no sessions under {home / 'sessions'}")
         return
-    typer.echo(f"{'NAME':<24} {'TOKENS':>7} {'PAGES':>5} {'DISK':>9} {'KV':<10} {'LAST USE':<10} {'PIN':<3} MODEL")
-    for m in rows:
-        pin = "yes" if is_pinned(home, m.name) else "-"
-        typer.echo(f"{m.name:<24} {len(m.tokens):>7} {len(m.pages):>5} {_disk_bytes(home, m) / 1e6:>7.1f}MB "
-                   f"{m.kv.get('name', '?'):<10} {_ago(m.updated):<10} {pin:<3} {m.model or m.model_fingerprint}")
+    header = ["NAME", "TOKENS", "PAGES", "DISK", "KV", "LAST USE", "PIN", "MODEL"]
+    table = [[m.name, len(m.tokens), len(_pages(m)), f"{_disk_bytes(home, m) / 1e6:.1f} MB", m.kv.get("name", "?"),
+              _ago(m.updated), "yes" if is_pinned(home, m.name) else "-", m.model or m.model_fingerprint]
+             for m in rows]
+    for line in _aligned(header, table, right={1, 2, 3}):
+        typer.echo(line)
 
 
 @app.command("show")
@@ -69,7 +85,8 @@ def show(name: str = typer.Argument(..., help="Session name.")):
     kv = m.kv
     for k, v in (("name", m.name), ("model", f"{m.model} ({m.model_fingerprint})"),
                  ("tokenizer", m.tokenizer_fingerprint), ("kv", f"{kv.get('name')} page {kv.get('page_size')}"),
-                 ("tokens", len(m.tokens)), ("pages", f"{len(m.pages)} ({_disk_bytes(home, m) / 1e6:.1f} MB on disk)"),
+                 ("tokens", len(m.tokens)), ("pages", f"{len(m.pages)} sealed{' + 1 open' if m.open_page else ''} "
+                                               f"({_disk_bytes(home, m) / 1e6:.1f} MB on disk)"),
                  ("parent", m.parent or "-"), ("created", time.ctime(m.created)), ("last use", time.ctime(m.updated))):
         typer.echo(f"{k:<10} {v}")
     for msg in m.messages:

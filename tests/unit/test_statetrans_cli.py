@@ -57,3 +57,31 @@ def test_session_chat_repl_keeps_turns_across_a_restart(tmp_path, monkeypatch):
     resumed = runtime(folder, home).session("talk")
     users = [m["content"] for m in resumed.messages if m["role"] == "user"]
     assert users == ["hello there", "and again"] and len(resumed.messages) == 4
+
+
+def test_sessions_list_aligns_columns_and_counts_the_open_page(tmp_path, monkeypatch):
+    """A session shorter than one page has only its open page: PAGES and DISK count it, not 0 / 0.0 MB; a
+    long name does not push its row's columns out of line."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("JUSTFIT_HOME", str(home))
+    store = _store(home)
+    page = {"0.k.0": np.ones((64, 20, 64), np.float32), "0.v.0": np.ones((64, 20, 64), np.float32)}  # 0.66 MB
+    m = Manifest("a-session-with-a-rather-long-name", "fp", "tk", {"name": "q4-affine", "page_size": 32},
+                 list(range(20)), [], [{"role": "user", "content": "hi", "end": 5}], model="default",
+                 open_page={"hash": "dd" * 32, "sha256": None, "tokens": 20})
+    commit(store, home, m, [("dd" * 32, page, {"layers": "1", "kinds": "fp"})], {})
+    out = CliRunner().invoke(app, ["sessions", "list"])
+    assert out.exit_code == 0, out.output
+    header, *rows = out.output.splitlines()
+    for row in rows:
+        for col in ("KV", "LAST USE", "PIN", "MODEL"):  # left-aligned: a cell starts where its header does
+            at = header.index(col)
+            assert row[at - 1] == " " and row[at] != " ", (col, header, row)
+        for col in ("TOKENS", "PAGES", "DISK"):  # right-aligned: a cell ends where its header does
+            end = header.index(col) + len(col)
+            assert row[end - 1] != " " and row[end] == " ", (col, header, row)
+    long = next(row for row in rows if row.startswith("a-session"))
+    fields = long.split()
+    assert fields[1:3] == ["20", "1"] and float(fields[3]) > 0, long  # TOKENS, PAGES, DISK (MB)
+    show = CliRunner().invoke(app, ["sessions", "show", "a-session-with-a-rather-long-name"]).output
+    assert "0 sealed + 1 open" in show
