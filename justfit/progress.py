@@ -1,5 +1,6 @@
-"""Progress on stderr with rich: a bar for counted work, and one that shows up late (long prefills).
-Both draw only when stderr is a terminal, so logs, pipes and tests stay clean."""
+"""Progress on stderr with rich: a bar for counted work, one that shows up late (long prefills), and a
+spinner for work that cannot be counted (a download run by pip). All draw only when stderr is a
+terminal, so logs, pipes and tests stay clean."""
 
 import sys
 import time
@@ -25,6 +26,20 @@ def bar(total: int, label: str):
     with Progress(*columns, console=_console(), transient=True) as progress:
         task = progress.add_task(label, total=total)
         yield lambda n=1: progress.advance(task, n)
+
+
+@contextmanager
+def spinner(label: str):
+    """`with spinner("downloading"): ...`: a transient rich spinner with the elapsed time, on a terminal."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=_console(),
+                  transient=True) as progress:
+        progress.add_task(label, total=None)
+        yield
 
 
 class LateBar:

