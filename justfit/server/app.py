@@ -3,13 +3,11 @@
 import ipaddress
 import logging
 import time
-from pathlib import Path
 from typing import Optional
 
-from ..errors import UserError
+from ..errors import MemoryBudgetError, UserError
 from .errors import APIError, send_error
 from .metrics import Metrics
-from .prompts import check_logit_bias, context_length, stops
 from .worker import Job, Worker
 
 log = logging.getLogger("justfit.server")
@@ -17,45 +15,99 @@ MAX_BODY = 8 << 20  # 8 MiB: a 128k-token conversation as JSON fits with room to
 
 
 class Server:
-    """What the routes share: the runtime, the worker, the metrics and the served model's names."""
+    """What the routes share: the model pool (every served model, pool.py), the metrics and the gate. The
+    first model is the primary one: `rt`, `worker`, `model_id`... are its (routes that name no model use it)."""
 
-    def __init__(self, rt, persist: bool = False, max_queue: int = 64, idle_release: Optional[float] = None):
-        from ..models.vocab import vocab_size
+    def __init__(self, rt, persist: bool = False, max_queue: int = 64, idle_release: Optional[float] = None,
+                 models: tuple = (), memory_budget=None, catalog: bool = False):
+        from .pool import ModelPool, Served
 
-        self.rt, self.metrics, self.started = rt, Metrics(), time.time()
-        self.worker = Worker(rt, self.metrics, max_queue, idle_release, persist)
-        path = getattr(rt.model, "justfit_path", None) or str(rt.model_spec)
-        self.model_id = Path(str(path)).name or str(rt.model_spec)
-        self.names = {self.model_id, str(rt.model_spec), "default", str(path)}
-        self.context = context_length(rt)
-        self.n_vocab = vocab_size(rt.model)
+        self.metrics, self.started, self.home = Metrics(), time.time(), rt.home
+        budget = rt.memory_budget if memory_budget is None else memory_budget
+        self.idle_release = idle_release
+
+        def make_runtime(path):
+            from ..runtime import Runtime
+
+            return Runtime(model=path, kv=rt.kv, memory_budget=budget, home=rt.home)
+
+        def make_worker(model_rt):
+            return Worker(model_rt, self.metrics, max_queue, idle_release, persist, lock=self.pool.mlx)
+
+        self.pool = ModelPool(make_runtime, make_worker, budget)
+        path = str(getattr(rt.model, "justfit_path", None) or rt.model_spec)
+        self.primary = self.pool.add(Served(str(rt.model_spec), path, self.metrics, primary=True))
+        self.primary.attach(rt, make_worker(rt))
+        self.primary.last_used = time.monotonic()
+        for spec, model_path in models:
+            self.pool.add(Served(spec, model_path, self.metrics))
+        if catalog:  # every model cached under JUSTFIT_HOME/models is served by its folder name
+            from ..models import list_models
+
+            for row in list_models(rt.home):
+                self.pool.add(Served(row["name"], row["path"], self.metrics))
         self.gate = None  # conns.Gate, when serve() runs the app
 
+    # the primary model's parts, for the routes that serve it alone
+    rt = property(lambda self: self.primary.rt or self._load(self.primary).rt)
+    worker = property(lambda self: self.primary.worker or self._load(self.primary).worker)
+    model_id = property(lambda self: self.primary.model_id)
+    names = property(lambda self: self.primary.names)
+    context = property(lambda self: self.primary.context or self._load(self.primary).context)
+    n_vocab = property(lambda self: self.primary.n_vocab or self._load(self.primary).n_vocab)
+
+    def _load(self, s):
+        try:
+            return self.pool.ensure(s)
+        except MemoryBudgetError as e:
+            raise APIError(503, f"out of memory budget: {e}", code="memory_budget", retry_after=5) from None
+
     def models(self) -> list:
-        """Every model this server serves, each with `model_id`, `rt`, `worker` and `metrics` (the memory
-        view and /api/ps read these; one model today)."""
-        return [self]
+        """Every model this server serves (pool.Served: `model_id`, `rt`, `worker` and `metrics`; rt and worker
+        are None while a model is not loaded)."""
+        return list(self.pool.served)
+
+    def loaded(self) -> list:
+        return [s for s in self.pool.served if s.loaded]
+
+    def find(self, name: str, status: int = 400):
+        """The served model of that name (its Ollama name with ':latest' too); else today's model_not_found."""
+        s = self.pool.find(name)
+        if s is None:
+            served = ", ".join(repr(m.model_id) for m in self.pool.served)
+            raise APIError(status, f"model {name!r} is not served here; this server serves {served} "
+                           "(GET /v1/models)", "model", "model_not_found")
+        return s
+
+    async def use(self, name: Optional[str], status: int = 400, prompt_tokens: int = 0):
+        """The model a request names, loaded (room made under the budget), for a request of prompt_tokens."""
+        import asyncio
+
+        s = self.primary if name is None else self.find(name, status)
+        if s.loaded and not self._short(s, prompt_tokens):
+            s.last_used = time.monotonic()
+            return s
+        try:
+            return await asyncio.to_thread(self.pool.ensure, s, self._need(s, prompt_tokens))
+        except MemoryBudgetError as e:
+            raise APIError(503, f"out of memory budget: {e}", code="memory_budget", retry_after=5) from None
+
+    def _need(self, s, prompt_tokens: int) -> int:
+        """KV bytes of a prompt on a loaded model (0 before it loads: its engine knows its page sizes)."""
+        engine = s.rt.engine if s.loaded else None
+        return engine.kv.seq_bytes(prompt_tokens) if engine is not None and prompt_tokens else 0
+
+    def _short(self, s, prompt_tokens: int) -> bool:
+        return self.pool.budget.shortfall(self.pool.resident(exclude=s), s.memory()["total"] + self._need(s, prompt_tokens), 0) > 0
 
     def check_model(self, name: str, status: int = 400):
-        if name not in self.names:
-            raise APIError(status, f"model {name!r} is not served here; this server serves {self.model_id!r} "
-                           "(GET /v1/models)", "model", "model_not_found")
+        self.find(name, status)
 
     def submit(self, req, ids, max_tokens: int, grammar: Optional[str]) -> Job:
-        """Queue one reply for a validated request."""
-        options = {"temperature": req.temperature, "top_p": req.top_p, "top_k": getattr(req, "top_k", None), "seed": req.seed,
-                   "stop": stops(req.stop) or None, "logit_bias": check_logit_bias(req.logit_bias, self.n_vocab) or None,
-                   "frequency_penalty": req.frequency_penalty or None,
-                   "presence_penalty": req.presence_penalty or None, "repetition_penalty": getattr(req, "repetition_penalty", None)}
-        persist = req.prompt_cache_retention == "24h"
-        if req.prompt_cache_key is not None:
-            from ..statetrans.manifest import check_name
-
-            try:
-                check_name(req.prompt_cache_key)
-            except UserError as e:
-                raise APIError(400, f"prompt_cache_key: {e}", "prompt_cache_key", "invalid_value") from None
-        return self.worker.submit(Job(list(ids), max_tokens, options, req.prompt_cache_key, persist, grammar))
+        """Queue one reply on the primary model (routes that resolved a model call its Served.submit)."""
+        if not self.primary.loaded:
+            self._load(self.primary)
+        return self.primary.submit(req, ids, max_tokens, grammar)
 
     def account(self, request, job: Job, stats: dict):
         """Note a finished reply in the request's log line (the worker counts it in the metrics)."""
@@ -66,8 +118,10 @@ class Server:
 
 
 def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, persist: bool = False,
-               max_body: int = MAX_BODY, max_queue: int = 64, idle_release: Optional[float] = None):
-    """The ASGI app serving `rt` (the worker thread starts with the app and stops on shutdown)."""
+               max_body: int = MAX_BODY, max_queue: int = 64, idle_release: Optional[float] = None,
+               models: tuple = (), memory_budget=None, catalog: bool = False):
+    """The ASGI app serving `rt` first, and `models` ((spec, folder) pairs) and, with catalog, every cached
+    model, each loaded on first use under one memory budget (the worker threads stop on shutdown)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -79,12 +133,14 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     from .responses import router as responses_router
     from .routes import router
 
-    server = Server(rt, persist, max_queue, idle_release)
+    from .models_routes import router as models_router
+
+    server = Server(rt, persist, max_queue, idle_release, models, memory_budget, catalog)
 
     @asynccontextmanager
     async def lifespan(_app):
         yield
-        server.worker.close()  # after uvicorn drained the open requests: sessions are checkpointed
+        server.pool.close()  # after uvicorn drained the open requests: sessions are checkpointed
         log.info("stopped; sessions checkpointed")
 
     app = FastAPI(title="JustFit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -94,6 +150,7 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     app.include_router(ollama_router)
     app.include_router(ollama_info_router)
     app.include_router(responses_router)
+    app.include_router(models_router)
     errors.install(app, api_key, max_body)
     if cors:
         from starlette.middleware.cors import CORSMiddleware
@@ -139,7 +196,7 @@ class LogRequests:
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/v1/messages",
           "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps",
-          "/api/version", "/", "/v1/responses")
+          "/api/version", "/", "/v1/responses", "/justfit/models")
 
 
 def check_bind(host: str, api_key: Optional[str]):
@@ -172,7 +229,7 @@ def serve(rt, host: str = "127.0.0.1", port: int = 8000, header_timeout: float =
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
                             http=protocol_for(gate), backlog=gate.backlog, timeout_graceful_shutdown=5, lifespan="on")
     server = uvicorn.Server(config)
-    log.info("justfit serve: %s on http://%s:%d/v1 (Ctrl-C stops)", app.state.server.model_id, host, port)
+    log.info("justfit serve: %s on http://%s:%d/v1 (Ctrl-C stops)", ", ".join(m.model_id for m in app.state.server.models()), host, port)
     try:
         server.run()
     except OSError as e:

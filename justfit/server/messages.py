@@ -35,11 +35,13 @@ def _srv(request: Request):
     return request.app.state.server
 
 
-def check_model(srv, name: str):
-    """Any claude-* name (what Anthropic clients send, for large and small models alike) or a served name."""
-    if name not in srv.names and not name.startswith("claude"):
+async def check_model(srv, name: str):
+    """The served model of that name; any claude-* name (what Anthropic clients send, for large and small
+    models alike) is the primary one. Loaded on first use."""
+    if srv.pool.find(name) is None and not name.startswith("claude"):
         raise APIError(404, f"model: {name!r} is not served here; this server serves {srv.model_id!r} "
                        "(and any claude-* name as an alias of it)", "model")
+    return await srv.use(None if srv.pool.find(name) is None else name, status=404)
 
 
 def _texts(blocks, where: str) -> str:
@@ -208,15 +210,13 @@ def prompt_of(srv, req: CountRequest):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountRequest, request: Request):
-    srv = _srv(request)
-    check_model(srv, req.model)
+    srv = await check_model(_srv(request), req.model)
     return {"input_tokens": len(build(srv, req)[0])}
 
 
 @router.post("/v1/messages")
 async def messages(req: MessagesRequest, request: Request):
-    srv = _srv(request)
-    check_model(srv, req.model)
+    srv = await check_model(_srv(request), req.model)
     ids, tools, syntax, grammar, chat = prompt_of(srv, req)
     # Anthropic clients ask for large budgets (Claude Code: tens of thousands): the reply gets what fits
     job = srv.submit(chat, ids, min(req.max_tokens, srv.context - len(ids)), grammar)

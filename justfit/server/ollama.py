@@ -16,7 +16,7 @@ from . import prompts
 from .deltas import Reply
 from .errors import APIError
 from .flow import cancel_on_disconnect, run_job
-from .ollama_info import check_model, iso, ollama_name
+from .ollama_info import iso, ollama_name
 from .ollama_schema import ChatBody, GenerateBody, engine_request, read_body
 
 router = APIRouter()
@@ -114,11 +114,12 @@ def _head(srv) -> dict:
 @router.post("/api/chat")
 async def chat(request: Request):
     body = await read_body(request, ChatBody)
-    srv = request.app.state.server
-    check_model(srv, body.model)
-    kept = _keep_alive(srv, body)
+    server = request.app.state.server
+    srv = _find(server, body.model)
     if not body.messages:
-        return await _load(srv, kept, {"message": {"role": "assistant", "content": ""}})
+        return await _load(server, srv, body, {"message": {"role": "assistant", "content": ""}})
+    srv = await server.use(srv.model_id)
+    _keep_alive(srv, body)
     req = engine_request(srv.model_id, chat_messages(body), body, body.tools)
     ids, tools, syntax, grammar = prompts.chat_prompt(srv.rt, req)
     job = srv.submit(req, ids, budget(srv, body.options, len(ids)), grammar)
@@ -145,14 +146,15 @@ async def chat(request: Request):
 @router.post("/api/generate")
 async def generate(request: Request):
     body = await read_body(request, GenerateBody)
-    srv = request.app.state.server
-    check_model(srv, body.model)
+    server = request.app.state.server
+    srv = _find(server, body.model)
     for field in ("suffix", "template", "images", "context"):
         if getattr(body, field):
             raise APIError(400, f"{field} is not supported by JustFit (see API.md, Ollama)")
-    kept = _keep_alive(srv, body)
     if not body.prompt:
-        return await _load(srv, kept, {"response": ""})
+        return await _load(server, srv, body, {"response": ""})
+    srv = await server.use(srv.model_id)
+    _keep_alive(srv, body)
     messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
                [{"role": "user", "content": body.prompt}]
     req = engine_request(srv.model_id, messages, body)
@@ -174,16 +176,28 @@ async def generate(request: Request):
     return await _answer(lines(), [job], body.stream, request)
 
 
-async def _load(srv, kept: Optional[float], empty: dict) -> dict:
-    """A body with no prompt (Ollama's load and unload calls): keep_alive 0 answers once the weights and
-    KV are released; otherwise nothing runs (the weights come back with the first request that needs them)."""
+def _find(server, name: Optional[str]):
+    """The served model an Ollama body names (with or without ':latest'); Ollama's 404 otherwise."""
+    s = server.pool.find(name or "")
+    if s is None:
+        raise APIError(404, f"model '{name}' not found")
+    return s
+
+
+async def _load(server, srv, body, empty: dict) -> dict:
+    """A body with no prompt (Ollama's load and unload calls): keep_alive 0 unloads the model now (its
+    sessions checkpointed); otherwise it is loaded (room made under the budget) and keeps keep_alive."""
     import asyncio
 
+    from .models_routes import wait_idle
+
+    kept = None if body.keep_alive is None else keep_alive_seconds(body.keep_alive)
     if kept == 0:
-        for _ in range(600):  # the engine thread releases as soon as it is idle
-            if srv.worker.released:
-                break
-            await asyncio.sleep(0.05)
+        await wait_idle(srv)
+        await asyncio.to_thread(server.pool.unload, srv)
+    else:
+        srv = await server.use(srv.model_id)
+        _keep_alive(srv, body)
     return {**_head(srv), **empty, "done": True, "done_reason": "unload" if kept == 0 else "load"}
 
 

@@ -33,9 +33,8 @@ def ollama_name(srv) -> str:
 
 
 def check_model(srv, name: Optional[str]):
-    """The served model under any of its names, with or without ':latest'; else Ollama's 404."""
-    bare = (name or "")[:-len(TAG)] if (name or "").endswith(TAG) else (name or "")
-    if bare not in srv.names:
+    """A served model under any of its names, with or without ':latest'; else Ollama's 404."""
+    if srv.pool.find(name or "") is None:
         raise APIError(404, f"model '{name}' not found")
 
 
@@ -82,7 +81,7 @@ def _size(n: int) -> str:
 
 
 def _info(srv):
-    folder = str(getattr(srv.rt.model, "justfit_path", None) or "")
+    folder = srv.path if Path(srv.path).is_dir() else ""
     return _files(folder) if folder else (0, hashlib.sha256(srv.model_id.encode()).hexdigest(), {}, 0, srv.started)
 
 
@@ -108,11 +107,13 @@ async def version():
 
 @router.get("/api/tags")
 async def tags(request: Request):
-    srv = request.app.state.server
-    size, digest, _, _, modified = _info(srv)
-    name = ollama_name(srv)
-    return {"models": [{"name": name, "model": name, "modified_at": iso(modified), "size": size,
-                        "digest": digest, "details": details(srv)}]}
+    rows = []
+    for srv in request.app.state.server.models():
+        size, digest, _, _, modified = _info(srv)
+        name = ollama_name(srv)
+        rows.append({"name": name, "model": name, "modified_at": iso(modified), "size": size,
+                     "digest": digest, "details": details(srv)})
+    return {"models": rows}
 
 
 @router.post("/api/show")
@@ -123,6 +124,7 @@ async def show(request: Request):
     if not name:
         raise APIError(400, "model is required")
     check_model(srv, name)
+    srv = await srv.use(name, status=404)
     _, _, config, params, modified = _info(srv)
     arch = config.get("model_type", "unknown")
     info = {"general.architecture": arch, "general.parameter_count": params, f"{arch}.context_length": srv.context}
@@ -141,16 +143,18 @@ async def show(request: Request):
 
 @router.get("/api/ps")
 async def ps(request: Request):
-    """The model while its weights are loaded; nothing once keep_alive (or --idle-release) released them."""
-    srv = request.app.state.server
-    worker = srv.worker
-    if worker.released:
-        return {"models": []}
-    keep = worker.idle_release
-    busy = worker.queue_length > 0
-    expires = (time.time() if busy else worker.idle_since) + (FOREVER if keep is None else keep)
-    name = ollama_name(srv)
-    _, digest, _, _, _ = _info(srv)
-    return {"models": [{"name": name, "model": name, "size": srv.rt.residency()["resident_bytes"], "digest": digest,
-                        "details": details(srv), "expires_at": iso(expires), "size_vram": 0,
-                        "context_length": srv.context}]}
+    """The models whose weights are loaded, most recently used first; one leaves once keep_alive (or
+    --idle-release) released it or the budget unloaded it for another."""
+    rows = []
+    for srv in sorted(request.app.state.server.loaded(), key=lambda s: -s.last_used):
+        worker = srv.worker
+        if worker is None or worker.released:
+            continue
+        keep = worker.idle_release
+        expires = (time.time() if srv.busy else worker.idle_since) + (FOREVER if keep is None else keep)
+        name = ollama_name(srv)
+        _, digest, _, _, _ = _info(srv)
+        rows.append({"name": name, "model": name, "size": srv.memory()["total"], "digest": digest,
+                     "details": details(srv), "expires_at": iso(expires), "size_vram": 0,
+                     "context_length": srv.context})
+    return {"models": rows}

@@ -31,7 +31,7 @@ OMIT = ("user", "prompt_cache_key", "usage")  # optional in OpenAI's spec but no
 def _store(request: Request) -> ResponseStore:
     state = request.app.state
     if getattr(state, "responses", None) is None:
-        state.responses = ResponseStore(Path(state.server.rt.home) / "responses")
+        state.responses = ResponseStore(Path(state.server.home) / "responses")
     return state.responses
 
 
@@ -85,8 +85,7 @@ def _max_new(chat, context: int, n_prompt: int) -> int:
 
 @router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, request: Request):
-    srv = request.app.state.server
-    srv.check_model(req.model)
+    srv = await request.app.state.server.use(req.model)
     _refuse(req)
     store, rid = _store(request), new_id()
     prev = None

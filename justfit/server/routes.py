@@ -26,14 +26,18 @@ def _srv(request: Request):
 @router.get("/health")
 async def health(request: Request):
     srv = _srv(request)
-    return {"status": "ok", "model": srv.model_id, "queue_length": srv.worker.queue_length,
-            "uptime_s": round(time.time() - srv.started, 1)}
+    return {"status": "ok", "model": srv.model_id, "queue_length": sum(s.worker.queue_length for s in srv.loaded()),
+            "loaded": [s.model_id for s in srv.loaded()], "uptime_s": round(time.time() - srv.started, 1)}
 
 
 @router.get("/metrics")
 async def metrics(request: Request):
     srv = _srv(request)
-    text = srv.metrics.render(srv.rt, srv.worker.snapshot())
+    loaded = sorted(srv.loaded(), key=lambda s: s.last_used)
+    if not loaded:  # nothing loaded: the counters alone
+        text = srv.metrics.render(_Unloaded(), {"waiting": 0, "running": 0, "max_running": 0, "steps": 0, "preempted": 0})
+    else:
+        text = srv.metrics.render(loaded[-1].rt, loaded[-1].worker.snapshot())
     if srv.gate is not None:  # set when uvicorn serves the app through conns.py
         text += "\n".join(srv.gate.metric_lines()) + "\n"
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -42,14 +46,13 @@ async def metrics(request: Request):
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request):
     srv = _srv(request)
-    return ModelList(data=[Model(id=srv.model_id, created=int(srv.started))])
+    return ModelList(data=[Model(id=s.model_id, created=int(s.started)) for s in srv.models()])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=Model)
 async def get_model(model_id: str, request: Request):
-    srv = _srv(request)
-    srv.check_model(model_id, status=404)
-    return Model(id=srv.model_id, created=int(srv.started))
+    s = _srv(request).find(model_id, status=404)
+    return Model(id=s.model_id, created=int(s.started))
 
 
 def _usage(jobs, stats) -> Usage:
@@ -66,15 +69,15 @@ def _finish(call, stats) -> str:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatRequest, request: Request):
-    srv = _srv(request)
-    srv.check_model(req.model)
+    srv = await _srv(request).use(req.model)
     ids, tools, syntax, grammar = prompts.chat_prompt(srv.rt, req)
+    srv = await _srv(request).use(req.model, prompt_tokens=len(ids))  # room for its KV too
     max_tokens = prompts.max_new(req, srv.context, len(ids))
     jobs = [srv.submit(req, ids, max_tokens, grammar) for _ in range(req.n)]
     rid = "chatcmpl-" + uuid.uuid4().hex
     replies = [Reply(syntax, bool(tools)) for _ in jobs]
     if req.stream:
-        return await _sse(_chat_chunks(req, rid, jobs, replies, request), jobs)
+        return await _sse(_chat_chunks(srv, req, rid, jobs, replies, request), jobs)
     choices, stats = [], []
     async with cancel_on_disconnect(request, jobs):
         for i, (job, reply) in enumerate(zip(jobs, replies)):
@@ -88,8 +91,7 @@ async def chat_completions(req: ChatRequest, request: Request):
     return ChatCompletion(id=rid, model=srv.model_id, choices=choices, usage=_usage(jobs, stats))
 
 
-async def _chat_chunks(req: ChatRequest, rid: str, jobs, replies, request: Request):
-    srv = _srv(request)
+async def _chat_chunks(srv, req: ChatRequest, rid: str, jobs, replies, request: Request):
 
     def chunk(i, delta, finish=None):
         return ChatCompletionChunk(id=rid, model=srv.model_id, choices=[ChunkChoice(index=i, delta=delta, finish_reason=finish)])
@@ -117,8 +119,7 @@ async def _chat_chunks(req: ChatRequest, rid: str, jobs, replies, request: Reque
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
-    srv = _srv(request)
-    srv.check_model(req.model)
+    srv = await _srv(request).use(req.model)
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix", "unsupported_parameter")
     ids = prompts.completion_prompt(srv.rt, req)
@@ -127,7 +128,7 @@ async def completions(req: CompletionRequest, request: Request):
     rid = "cmpl-" + uuid.uuid4().hex
     head = srv.rt.tokenizer.decode(ids) if req.echo else ""
     if req.stream:
-        return await _sse(_text_chunks(req, rid, jobs, head, request), jobs)
+        return await _sse(_text_chunks(srv, req, rid, jobs, head, request), jobs)
     choices, stats = [], []
     async with cancel_on_disconnect(request, jobs):
         for i, job in enumerate(jobs):
@@ -139,8 +140,7 @@ async def completions(req: CompletionRequest, request: Request):
     return Completion(id=rid, model=srv.model_id, choices=choices, usage=_usage(jobs, stats))
 
 
-async def _text_chunks(req: CompletionRequest, rid: str, jobs, head: str, request: Request):
-    srv = _srv(request)
+async def _text_chunks(srv, req: CompletionRequest, rid: str, jobs, head: str, request: Request):
     stats = []
     for i, job in enumerate(jobs):
         if head:
@@ -154,6 +154,18 @@ async def _text_chunks(req: CompletionRequest, rid: str, jobs, head: str, reques
                 yield Completion(id=rid, model=srv.model_id, choices=[TextChoice(index=i, text=value[1], finish_reason=None)])
     if req.stream_options and req.stream_options.include_usage:
         yield Completion(id=rid, model=srv.model_id, choices=[], usage=_usage(jobs, stats))
+
+
+class _Unloaded:
+    """What /metrics reads of a runtime while no model is loaded: an empty pool, no components."""
+
+    class index:
+        class pool:
+            refs, free_ids = (), 0
+
+    @staticmethod
+    def residency() -> dict:
+        return {"components": []}
 
 
 class _Continued:

@@ -95,8 +95,9 @@ class Worker:
     """Owns the generation thread, the engine, the job inbox and the open sessions."""
 
     def __init__(self, rt, metrics, max_queue: int = 64, idle_release: Optional[float] = None,
-                 persist: bool = False):
+                 persist: bool = False, lock=None):
         self.rt, self.metrics, self.max_queue = rt, metrics, max_queue
+        self.lock = lock if lock is not None else threading.RLock()  # shared by the workers of one server: one runs MLX at a time
         self.idle_release, self.persist = idle_release, persist
         self.idle_default = idle_release  # what keep_alive() returns to when a request does not ask
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
@@ -148,7 +149,8 @@ class Worker:
         self.thread.join(timeout=30)
         for name, s in list(self.sessions.items()):
             try:
-                s.close()
+                with self.lock:
+                    s.close()
             except Exception as e:  # noqa: BLE001  (one bad session must not stop the others' checkpoints)
                 log.warning("session %r: checkpoint on shutdown failed: %s", name, e)
         self.sessions.clear()
@@ -165,19 +167,23 @@ class Worker:
         from ..grammar import ll_tokenizer
 
         ll_tokenizer(self.rt.tokenizer, vocab_size(self.rt.model))  # built once here, not in the first tool request
-        self.engine = self.rt.batch_engine()
+        with self.lock:
+            self.engine = self.rt.batch_engine()
         while True:
             try:
                 jobs = self._take()
             except queue.Empty:
-                self._release()
+                with self.lock:
+                    self._release()
                 continue
             if any(j is None for j in jobs):
                 return self._stop([j for j in jobs if j is not None])
-            for job in jobs:
-                self.released = False
-                self._start(job)
-            self._step()
+            with self.lock:
+                for job in jobs:
+                    self.released = False
+                    self._start(job)
+                self._step()
+            time.sleep(0)  # another model's worker waiting on the lock gets its turn
 
     def _take(self) -> List[Optional[Job]]:
         """Jobs that arrived; waits for one when nothing runs (queue.Empty after idle_release seconds idle)."""

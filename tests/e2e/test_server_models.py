@@ -1,0 +1,127 @@
+"""Several models under one memory budget in `justfit serve`: the default model and a tiny random-weight
+llama, under a budget that cannot hold both, served from one app (pool.py)."""
+
+import json
+import shutil
+
+import pytest
+
+import justfit
+
+PROMPT = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(default_model_dir, tmp_path_factory):
+    """A 2-layer llama with random weights and the default model's tokenizer (about 55 MB in float32)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    config = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
+              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "max_position_embeddings": 2048, "vocab_size": 49152,
+              "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+    mx.random.seed(0)
+    model = Model(ModelArgs.from_dict(config))
+    folder = tmp_path_factory.mktemp("models") / "tiny-llama"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, folder / name)
+    return folder
+
+
+def _weights(rt) -> int:
+    return sum(c.size() for c in rt.phaseswap.components.values() if c.kind != "kv")
+
+
+@pytest.fixture(scope="module")
+def pooled(default_model_dir, tiny_model, tmp_path_factory):
+    """The default model first and the tiny one, under a budget that holds either with room for short
+    prompts' KV but not both (the tiny model's weights are more than the room left beside the default's)."""
+    from tests.server_support import InProcess
+    from justfit.server.pool import estimate_weights
+
+    kv = justfit.KVConfig(bits=4, format="affine")
+    home = tmp_path_factory.mktemp("pool-home")
+    probe = justfit.Runtime(model=str(default_model_dir), kv=kv, home=home)
+    budget = _weights(probe) + estimate_weights(str(tiny_model)) * 3 // 4
+    del probe
+    rt = justfit.Runtime(model=str(default_model_dir), kv=kv, home=home, memory_budget=budget)
+    s = InProcess(rt, models=(("tiny", str(tiny_model)),), memory_budget=budget)
+    s.budget = budget
+    yield s
+    s.stop()
+
+
+def _chat(srv, model, messages=PROMPT, **extra):
+    r = srv.http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 6,
+                                                    "temperature": 0, **extra})
+    return r
+
+
+def _resident(srv):
+    return [m["name"].split(":")[0] for m in srv.http.get("/api/ps").json()["models"]]
+
+
+def test_alternating_models_share_one_budget(pooled, server):
+    reference = _chat(server, "default").json()["choices"][0]["message"]["content"]
+    listed = {m["id"] for m in pooled.http.get("/v1/models").json()["data"]}
+    assert "tiny-llama" in listed and len(listed) == 2
+    tags = {m["name"] for m in pooled.http.get("/api/tags").json()["models"]}
+    assert "tiny-llama:latest" in tags
+    tiny_replies = []
+    for _ in range(2):
+        r = _chat(pooled, "default")
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == reference  # same greedy reply as one model alone
+        assert _resident(pooled) == [r.json()["model"]]
+        r = _chat(pooled, "tiny-llama")
+        assert r.status_code == 200, r.text
+        tiny_replies.append(r.json()["choices"][0]["message"]["content"])
+        assert _resident(pooled) == ["tiny-llama"]  # the default model was unloaded to make room
+    assert tiny_replies[0] == tiny_replies[1]
+    report = pooled.http.get("/justfit/models").json()
+    assert report["resident_bytes"] <= pooled.budget
+    loads = [e for e in report["events"] if e.startswith("load ")]
+    unloads = [e for e in report["events"] if e.startswith("unload ")]
+    assert len(loads) >= 3 and len(unloads) >= 3  # every switch released one and loaded the other
+    row = next(m for m in report["models"] if m["id"] == "tiny-llama")
+    assert row["loaded"] and row["bytes"]["weights"] > 0
+
+
+def test_session_of_an_evicted_model_restores_its_kv(pooled):
+    first = PROMPT
+    r = _chat(pooled, "default", first, prompt_cache_key="pool-s1", prompt_cache_retention="24h")
+    assert r.status_code == 200, r.text
+    reply, n_first = r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens"]
+    assert _chat(pooled, "tiny-llama").status_code == 200  # evicts the default model and its session
+    assert "default" not in " ".join(_resident(pooled)) and len(_resident(pooled)) == 1
+    second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Another one."}]
+    r = _chat(pooled, "default", second, prompt_cache_key="pool-s1", prompt_cache_retention="24h")
+    assert r.status_code == 200, r.text
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= n_first  # restored from disk: only the new tokens were prefilled
+
+
+def test_request_over_the_budget_is_503(pooled):
+    words = " ".join(["colour"] * 6000)
+    r = _chat(pooled, "default", [{"role": "user", "content": words}])
+    assert r.status_code == 503, r.text
+    assert r.headers.get("retry-after")
+    assert r.json()["error"]["code"] == "memory_budget"
+
+
+def test_unload_and_load_endpoints(pooled):
+    r = pooled.http.post("/api/generate", json={"model": "tiny-llama", "prompt": "", "keep_alive": 0})
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload"
+    assert "tiny-llama" not in _resident(pooled)
+    with pooled.http.stream("POST", "/justfit/models/tiny-llama/load") as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["status"] == "ready", events
+    assert "tiny-llama" in _resident(pooled)
+    r = pooled.http.post("/justfit/models/tiny-llama/unload")
+    assert r.json() == {"model": "tiny-llama", "unloaded": True}
+    assert pooled.http.post("/justfit/models/nope/unload").status_code == 404
