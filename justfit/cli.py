@@ -169,7 +169,7 @@ def sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, 
 
 @app.command()
 def serve(
-    model: str = typer.Option("default", "--model", "-m", help="'default', an mlx-lm folder, a .gguf file or an HF repo id."),
+    model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="'default', an mlx-lm folder, a .gguf file or an HF repo id; repeat to serve several (the first loads at start, the others on first use, under one --memory-budget). Models cached under JUSTFIT_HOME are served too."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs --api-key."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0 picks a free one)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="JUSTFIT_API_KEY", help="Require 'Authorization: Bearer KEY' (env JUSTFIT_API_KEY)."),
@@ -206,8 +206,12 @@ def serve(
     quota = None if sessions_max_bytes is None else parse_size(sessions_max_bytes, "--sessions-max-bytes")
     if launched() and idle_release:  # under mlx.launch every rank runs this command
         raise UserError("--idle-release is not supported under mlx.launch yet (the ranks would release at different times)")
+    specs = list(model or ["default"])
+    if launched() and len(specs) > 1:
+        raise UserError("serving several models is not supported under mlx.launch yet: give one --model")
+    others = _resolve_models(specs[1:])
     fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
-    rt = Runtime(model=model, kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget))
+    rt = Runtime(model=specs[0], kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget))
     rt.index.store.sessions_cap = quota
     options = dict(api_key=api_key, cors=cors, persist=persist, idle_release=idle_release, max_queue=max_queue,
                    max_body=max_body, header_timeout=header_timeout, body_timeout=body_timeout,
@@ -224,7 +228,14 @@ def serve(
             typer.echo(f"justfit: error: {why}", err=True)
             os._exit(1)
         return
-    run_server(rt, host, port, **options)
+    run_server(rt, host, port, models=others, catalog=True, **options)
+
+
+def _resolve_models(specs: List[str]) -> list:
+    """(spec, folder) of each extra --model, checked now so a bad one is one line before the server starts."""
+    from .models import default_model, resolve
+
+    return [(s, str(default_model()) if s == "default" else resolve(s)) for s in specs]
 
 
 def _check_port(host: str, port: int) -> None:
