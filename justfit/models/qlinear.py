@@ -3,10 +3,11 @@ computed by qmm.c for decode-sized inputs and by BLAS over a dequantized copy of
 
 `use_kernel(model)` changes the class of every affine nn.QuantizedLinear (and of a quantized embedding
 whose `as_linear` is the tied head) in place: same arrays, same parameter names, no model code forked.
-- 1-16 rows (decode, small batches): one qmm.c call. Siblings that read the same input (q/k/v, gate/up)
+- Up to `kernel_rows` rows (decode, small batches, short prompts; measured by tuning.py, 16-64): one
+  qmm.c call. Siblings that read the same input (q/k/v, gate/up)
   form a group: the first one called computes all of them in one call (one host synchronization instead
   of three) and hands the others their outputs when they are called with that same array.
-- More rows (prefill): this layer's weight is dequantized to float32 and multiplied by MLX's matmul
+- More rows (prefill of a longer prompt): this layer's weight is dequantized to float32 and multiplied by MLX's matmul
   (BLAS), so a long prompt runs as fast as on float32 weights; the float copy is a temporary that
   MLX's allocator reuses from one layer to the next, so at most about one layer's float weight is alive.
 - Where the kernel does not run (JUSTFIT_CPU_KERNELS=0, no compiler, other CPUs) MLX's quantized_matmul.
@@ -52,13 +53,13 @@ def _kernel(x, layers):
 
 
 def _decode_sized(x, layers) -> bool:
-    return qmm.available() and qmm.takes(x, _weights(layers))
+    return qmm.available() and qmm.takes(x, _weights(layers), tuning.choices().get("kernel_rows", 16))
 
 
 def _dense(x, w, scales, biases, group_size, bits):
     """x @ W^T: MLX's quantized_matmul for a few rows, else BLAS over this weight dequantized to float32."""
     rows = x.size // x.shape[-1]
-    if rows <= qmm.MAX_ROWS:
+    if rows <= 16:
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(x.dtype).T
 

@@ -1,4 +1,4 @@
-/* Decode-sized quantized linear layers on the CPU: y = x @ dequant(W)^T for 1-16 rows of x, reading W in
+/* Decode-sized quantized linear layers on the CPU: y = x @ dequant(W)^T for 1-64 rows of x, reading W in
    mlx-lm's packed affine format where it lies (no float copy of the weights).
 
    W [N, K] is stored as uint32 words, K * bits / 32 per row (element e*w + j at bits `bits * j` of word w,
@@ -29,7 +29,7 @@
 #include <arm_neon.h>
 #endif
 
-#define MAX_ROWS 16
+#define MAX_ROWS 64
 #define MAX_THREADS 16
 #define AI static inline __attribute__((always_inline))
 

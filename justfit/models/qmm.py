@@ -30,7 +30,7 @@ from .. import config
 SOURCE = Path(__file__).with_name("qmm.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
 CALLS = Counter()  # "qmm": calls the kernel served (tests and benches check that it ran)
-MAX_ROWS = 16  # qmm.c's limit: larger inputs (prefill) dequantize and use BLAS (qlinear.py)
+MAX_ROWS = 64  # qmm.c's limit; qlinear.py sends up to tuning's measured `kernel_rows` rows, BLAS above
 AVX2, AVX512, NEON = 1, 2, 3
 VARIANT_NAMES = {AVX2: "avx2", AVX512: "avx512", NEON: "neon"}
 JOB = np.dtype([("w", np.uintp), ("s", np.uintp), ("b", np.uintp), ("y", np.uintp), ("n", np.int64),
@@ -132,13 +132,13 @@ def host(a: mx.array) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a))
 
 
-def takes(x: mx.array, weights) -> bool:
+def takes(x: mx.array, weights, max_rows: int = MAX_ROWS) -> bool:
     """True when one qmm call can compute x @ dequant(W)^T for every (w, scales, biases, group_size, bits)
-    in `weights`: 1-16 rows, float32, one bits/group size, float32 scales and biases."""
+    in `weights`: 1 to max_rows rows, float32, one bits/group size, float32 scales and biases."""
     if x.dtype != mx.float32 or x.ndim < 1 or not weights:
         return False
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    if not 1 <= rows <= MAX_ROWS:
+    if not 1 <= rows <= min(max_rows, MAX_ROWS):
         return False
     gs, bits = weights[0][3], weights[0][4]
     return all(s.dtype == b.dtype == mx.float32 and g == gs and n == bits and w.dtype == mx.uint32

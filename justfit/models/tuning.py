@@ -4,6 +4,7 @@ A constant tuned on one machine is a guess on the next (row-major float weights 
 lost 0.8x on another), so each choice the CPU path makes is timed on first use, in a few hundred ms:
 - kernel variant (AVX2 / AVX-512 / NEON) and threads for qmm.c, on a synthetic 4-bit one-row product;
 - quantized weights + kernel vs float32 weights, on the same product (the faster wins the default);
+- up to how many rows (16, 32, 64) the kernel beats dequantizing the weight and BLAS (`kernel_rows`);
 - row-major float weights (x @ W) vs mlx-lm's layout (x @ W.T), for the float32 path.
 The answers are kept in $JUSTFIT_HOME/tuning/cpu-<key>.json, keyed by the CPU's model name and flags and
 the mlx and justfit versions (any change re-measures), and shown by `justfit info`.
@@ -109,12 +110,34 @@ def _kernel(x, weights, variant, threads):
     mx.eval(qmm.matmul(x, weights, variant, threads))
 
 
+def _dequantized_product(x, w, s, b):
+    import mlx.core as mx
+
+    mx.eval(x @ mx.dequantize(w, s, b, group_size=64, bits=4).T)
+
+
+def _kernel_rows(weights, variant, threads, us) -> int:
+    """The most rows (16, 32 or 64) for which the kernel beats dequantize + BLAS on the timed weight."""
+    import mlx.core as mx
+
+    rows = 16
+    for m in (32, 64):
+        x = mx.random.normal((m, weights[0][0].shape[1] * 8), key=mx.random.key(m))
+        us[f"qmm {m} rows"] = _time(_kernel, x, weights, variant, threads)
+        us[f"dequantize+BLAS {m} rows"] = _time(_dequantized_product, x, *weights[0][:3])
+        if us[f"qmm {m} rows"] >= us[f"dequantize+BLAS {m} rows"]:
+            break
+        rows = m
+    return rows
+
+
 def measure() -> dict:
     """Time every choice now (a few hundred ms on a 2-core x86-64 machine)."""
     import mlx.core as mx
 
     t0 = time.perf_counter()
-    out = {"key": cache_key(), "variant": 0, "threads": 1, "quantized": False, "row_major": False, "us": {}}
+    out = {"key": cache_key(), "variant": 0, "threads": 1, "quantized": False, "row_major": False, "kernel_rows": 16,
+           "us": {}}
     if mx.default_device() != mx.cpu:
         return out
     n, k = SHAPE
@@ -141,6 +164,7 @@ def measure() -> dict:
                     best = (t, v, th)
         out["variant"], out["threads"] = best[1], best[2]
         out["quantized"] = best[0] < min(us["fp32 x@W.T"], us["fp32 x@W"])
+        out["kernel_rows"] = _kernel_rows(weights, best[1], best[2], us)
     out["us"] = {k: round(v, 1) for k, v in us.items()}
     out["measured_s"] = round(time.perf_counter() - t0, 3)
     return out
@@ -152,7 +176,8 @@ def describe() -> str:
     if not c.get("variant"):
         kernel = f"kernel off ({qmm.status()})" if not qmm.available() else "kernel off"
     else:
-        kernel = f"kernel {qmm.VARIANT_NAMES[c['variant']]} x{c['threads']} threads"
+        kernel = (f"kernel {qmm.VARIANT_NAMES[c['variant']]} x{c['threads']} threads up to "
+                  f"{c.get('kernel_rows', 16)} rows")
     return (f"{kernel}, {'4-bit + kernel' if c['quantized'] else 'float32'} weights faster, "
             f"float32 layout {'row-major' if c['row_major'] else 'as stored'} (measured in {c.get('measured_s', 0)} s; {path()})")
 

@@ -39,7 +39,7 @@ def test_kernel_equals_dequantized_matmul(bits, gs):
     K = 3 * 128 + 2 * gs if gs != 128 else 640  # not a multiple of a 512-bit vector block: the tail path runs
     for n in (1, 7, 37, 193):
         w, s, b = mx.quantize(mx.random.normal((n, K)), group_size=gs, bits=bits)
-        for rows in (1, 2, 3, 4, 5, 8, 13, 16):
+        for rows in (1, 2, 3, 4, 5, 8, 13, 16, 37, 64):
             x = mx.random.normal((rows, K))
             ref = _reference(x, w, s, b, gs, bits)
             for v in qmm.runnable_variants():
@@ -66,8 +66,9 @@ def test_one_call_serves_several_weights_and_a_batch_shape():
 def test_takes_refuses_what_the_kernel_does_not_compute():
     w, s, b = mx.quantize(mx.random.normal((8, 64)), group_size=64, bits=4)
     ok = [(w, s, b, 64, 4)]
-    assert qmm.takes(mx.zeros((16, 64)), ok)
-    assert not qmm.takes(mx.zeros((17, 64)), ok)  # prefill-sized: BLAS
+    assert qmm.takes(mx.zeros((64, 64)), ok)
+    assert not qmm.takes(mx.zeros((65, 64)), ok)  # prefill-sized: BLAS
+    assert not qmm.takes(mx.zeros((17, 64)), ok, max_rows=16)  # past the measured crossover
     assert not qmm.takes(mx.zeros((1, 64), dtype=mx.float16), ok)
     assert not qmm.takes(mx.zeros((1, 64)), [(w, s.astype(mx.float16), b, 64, 4)])
 
@@ -99,7 +100,7 @@ def _tiny_quantized():
     return model
 
 
-@pytest.mark.parametrize("tokens", [3, 40])  # decode-sized (the kernel) and prefill-sized (dequantize + BLAS)
+@pytest.mark.parametrize("tokens", [3, 80])  # decode-sized (the kernel) and prefill-sized (dequantize + BLAS)
 def test_swapped_model_equals_mlx_quantized_model(tokens):
     _needs_kernel()
     model = _tiny_quantized()
@@ -112,7 +113,7 @@ def test_swapped_model_equals_mlx_quantized_model(tokens):
     before = qmm.CALLS["qmm"]
     got = model(ids)
     calls = qmm.CALLS["qmm"] - before
-    assert calls == (2 * 4 + 1 if tokens <= qmm.MAX_ROWS else 0)  # q/k/v, o, gate/up, down per layer + head
+    assert calls == (2 * 4 + 1 if tokens <= tuning.choices()["kernel_rows"] else 0)  # q/k/v, o, gate/up, down per layer + head
     assert float(mx.max(mx.abs(got - ref))) < 1e-3
     assert qlinear.standard(model) == n and qlinear.kernel_modules(model) == 0
     assert type(model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
