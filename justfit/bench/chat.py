@@ -1,7 +1,11 @@
 """`justfit bench chat`: one-shot chat turns, `rt.stream(prompt)` vs `mlx_lm.stream_generate`, interleaved.
 
-Both systems get the same prompt text (the Runtime's chat template renders it; mlx-lm gets those token
-ids), the same model weights and greedy sampling. TTFT is the time from the call to the first token
+Systems: `justfit` (the Runtime as `justfit chat` runs it), `mlx-lm` (mlx_lm.stream_generate on a float32 copy
+of the weights in mlx-lm's layout: what JustFit's CPU path used to be and what mlx-lm's CPU users get after
+dequantizing) and `mlx-lm-quantized` (mlx_lm.load's own model: the folder's quantized weights, MLX's
+quantized_matmul). All get the same prompt text (the Runtime's chat template renders it; mlx-lm gets those
+token ids) and greedy sampling. Each row names the weight and KV dtypes it ran and a bandwidth column
+(bench/bandwidth.py: bytes read per generated token over a streaming-read bandwidth measured in this run). TTFT is the time from the call to the first token
 yielded; decode tok/s is (tokens - 1) / (last token time - first token time); peak memory is MLX's peak
 over the turn. Each round uses a fresh prompt (so no system reuses a previous round's prefix beyond
 what the Runtime's own prefix cache does, reported as `reused_tokens`); systems alternate in each round.
@@ -14,7 +18,7 @@ import time
 
 import typer
 
-from .baseline import mlx_lm_layout
+from . import bandwidth
 from .stats import spread
 
 PROMPTS = [
@@ -64,14 +68,49 @@ def _mlx_lm(model, tokenizer, ids, max_tokens):
     from mlx_lm import stream_generate
 
     eos = set(tokenizer.eos_token_ids)
-    with mlx_lm_layout(model):  # the weights as mlx_lm.load lays them out
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        chunks = (r for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens) if r.token not in eos)
-        ttft, tps, n = _timed(chunks)
-        peak = mx.get_peak_memory()  # before the layout switches back
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    chunks = (r for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens) if r.token not in eos)
+    ttft, tps, n = _timed(chunks)
+    peak = mx.get_peak_memory()
     return {"ttft_s": ttft, "decode_tok_s": tps, "tokens": n, "peak_memory_bytes": peak,
             "reused_tokens": 0}
+
+
+def _activation_dtype(model):
+    """The dtype the model computes (and mlx-lm's KVCache stores) in: its embedding's output dtype."""
+    import mlx.core as mx
+
+    try:
+        return model.model.embed_tokens(mx.array([[0]])).dtype
+    except (AttributeError, TypeError, ValueError):
+        return mx.float32
+
+
+def _baselines(path):
+    """{name: model} of the mlx-lm systems: a float32 copy in mlx-lm's layout, and mlx_lm.load's own model."""
+    from mlx_lm.utils import load as mlx_load
+
+    from justfit.models import layout, load, qlinear
+
+    fp32, _ = load(path, weights="fp32")
+    layout.standard(fp32)
+    qlinear.standard(fp32)
+    quantized, _ = mlx_load(path)
+    return {"mlx-lm": fp32, "mlx-lm-quantized": quantized}
+
+
+def _dtypes(rt, models) -> dict:
+    """{system: (weights, kv, kv bytes per element)}: what each row actually ran."""
+    kv = rt.kv
+    justfit_kv = (f"{kv.bits}-bit {kv.format}" if kv.bits < 16 else str(_activation_dtype(rt.model)).split(".")[-1])
+    kv_elem = kv.bits / 8 + 4 / kv.group_size if kv.bits < 16 else _activation_dtype(rt.model).size
+    weights = "as stored + qmm.c" if getattr(rt.model, "justfit_weights", "") == "quantized" else "float32"
+    out = {"justfit": (weights, justfit_kv, kv_elem)}
+    for name, m in models.items():
+        dt = _activation_dtype(m)
+        out[name] = ("float32" if name == "mlx-lm" else "as stored", str(dt).split(".")[-1], dt.size)
+    return out
 
 
 def run(model_spec: str, rounds: int, max_tokens: int) -> dict:
@@ -84,37 +123,49 @@ def run(model_spec: str, rounds: int, max_tokens: int) -> dict:
     from justfit.models.load import backend
 
     rt = justfit.Runtime(model_spec)
-    model, tokenizer = rt.model, rt.tokenizer
+    tokenizer = rt.tokenizer
+    models = _baselines(rt.model.justfit_path)
+    dtypes = _dtypes(rt, models)
+    stream_bw = bandwidth.stream_read_bandwidth()
     load_start = [round(x, 2) for x in os.getloadavg()]
     _justfit(rt, "Hello.", 4)  # warm-up, excluded
-    _mlx_lm(model, tokenizer, rt.encode("Hello."), 4)
-    per = {"justfit": [], "mlx-lm": []}
+    for m in models.values():
+        _mlx_lm(m, tokenizer, rt.encode("Hello."), 4)
+    per = {"justfit": [], **{name: [] for name in models}}
     for r in range(rounds):
         prompt = PROMPTS[r % len(PROMPTS)] + ("" if r < len(PROMPTS) else f" (variant {r})")
         ids = rt.encode(prompt)
-        order = ["justfit", "mlx-lm"] if r % 2 == 0 else ["mlx-lm", "justfit"]
+        order = list(per) if r % 2 == 0 else list(per)[::-1]
         for name in order:
-            res = _justfit(rt, prompt, max_tokens) if name == "justfit" else _mlx_lm(model, tokenizer, ids, max_tokens)
+            res = _justfit(rt, prompt, max_tokens) if name == "justfit" else _mlx_lm(models[name], tokenizer, ids, max_tokens)
             res["prompt_tokens"] = len(ids)
             per[name].append(res)
             _log(f"chat: round {r + 1} {name}: ttft {res['ttft_s'] * 1000:.0f} ms, decode {res['decode_tok_s']:.1f} tok/s, "
                  f"{res['tokens']} tokens, peak {res['peak_memory_bytes'] / 2**20:.0f} MiB")
     rows = []
     for name, rs in per.items():
-        row = {"system": name, "rounds": rounds, "max_tokens": max_tokens,
+        weights_dtype, kv_dtype, kv_elem = dtypes[name]
+        row = {"system": name, "weights": weights_dtype, "kv": kv_dtype, "rounds": rounds, "max_tokens": max_tokens,
                "prompt_tokens": statistics.median(x["prompt_tokens"] for x in rs),
                "generated_tokens": statistics.median(x["tokens"] for x in rs),
                "reused_tokens": statistics.median(x["reused_tokens"] for x in rs)}
         for key in ("ttft_s", "decode_tok_s", "peak_memory_bytes"):
             row.update(spread(key, [x[key] for x in rs]))
+        model = rt.model if name == "justfit" else models[name]
+        context = row["prompt_tokens"] + row["generated_tokens"] / 2
+        row.update(bandwidth.columns(bandwidth.weight_bytes(model), bandwidth.kv_bytes_per_token(model, kv_elem),
+                                     context, row["decode_tok_s"], stream_bw))
         rows.append(row)
-    return {"bench": "chat", "model": getattr(model, "justfit_path", model_spec), "backend": backend(),
+    return {"bench": "chat", "model": getattr(rt.model, "justfit_path", model_spec), "backend": backend(),
             "versions": {"justfit": justfit.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
             "default_kv": vars(rt.kv), "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
             "notes": {"timing": f"median of {rounds} interleaved rounds, fresh prompt per round, greedy, _min/_max",
                       "justfit": "Runtime.stream(prompt): the path of `justfit chat` (default KVConfig, prefix reuse on)",
-                      "mlx-lm": "mlx_lm.stream_generate on the same token ids, its default KVCache, the weights in "
-                                "mlx-lm's layout (W [out, in]; justfit's are row-major on the CPU, models/layout.py)"},
+                      "mlx-lm": "mlx_lm.stream_generate on the same token ids, its default KVCache, a float32 copy of "
+                                "the weights in mlx-lm's layout (W [out, in])",
+                      "mlx-lm-quantized": "mlx_lm.stream_generate on mlx_lm.load's own model (the folder's weights)",
+                      "bandwidth": "bytes_per_token: weights as held + KV at the turn's mean context; bandwidth_pct: "
+                                   "decode tok/s x bytes_per_token over a 256 MiB streaming read measured in this run"},
             "rows": rows}
 
 
@@ -138,6 +189,7 @@ def chat(
         return
     print(f"load {result['load_average']}")
     for r in result["rows"]:
-        print(f"{r['system']:8s} ttft {r['ttft_s'] * 1000:7.0f} ms [{r['ttft_s_min'] * 1000:.0f}-{r['ttft_s_max'] * 1000:.0f}]  "
+        print(f"{r['system']:16s} ttft {r['ttft_s'] * 1000:7.0f} ms [{r['ttft_s_min'] * 1000:.0f}-{r['ttft_s_max'] * 1000:.0f}]  "
               f"decode {r['decode_tok_s']:6.1f} tok/s [{r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f}]  "
-              f"peak {r['peak_memory_bytes'] / 2**20:6.0f} MiB  prompt {r['prompt_tokens']:.0f} tokens")
+              f"peak {r['peak_memory_bytes'] / 2**20:6.0f} MiB  prompt {r['prompt_tokens']:.0f} tokens  "
+              f"{r['bandwidth_pct']:.0f}% of bandwidth  weights {r['weights']}, kv {r['kv']}")

@@ -13,13 +13,22 @@ def test_timed_measures_first_token_and_decode_rate():
     assert bench_chat._timed(iter([]))[2] == 0
 
 
+def test_bandwidth_columns_share_of_the_limit():
+    from justfit.bench import bandwidth
+
+    got = bandwidth.columns(weights=90 << 20, kv_per_token=0, context=100, tok_s=50, bandwidth=(90 << 20) * 100)
+    assert got["bandwidth_pct"] == 50.0 and got["bandwidth_limit_tok_s"] == 100.0
+
+
 @pytest.mark.slow
 def test_bench_chat_quick_on_default_model(capsys):
     bench_chat.chat(rounds=1, max_tokens=4, model="default", quick=True, json_out=True)
     out = json.loads(capsys.readouterr().out)
     rows = {r["system"]: r for r in out["rows"]}
-    assert out["bench"] == "chat" and set(rows) == {"justfit", "mlx-lm"}
+    assert out["bench"] == "chat" and set(rows) == {"justfit", "mlx-lm", "mlx-lm-quantized"}
+    assert rows["mlx-lm"]["weights"] == "float32" and rows["mlx-lm-quantized"]["weights"] == "as stored"
     for r in rows.values():
+        assert r["bytes_per_token"] > 50 << 20 and 0 < r["bandwidth_pct"] < 200 and r["kv"]
         assert r["rounds"] == 2 and r["generated_tokens"] > 0 and r["prompt_tokens"] > 10
         assert 0 < r["ttft_s_min"] <= r["ttft_s"] <= r["ttft_s_max"]
         assert r["peak_memory_bytes"] > 100 << 20 and r["decode_tok_s"] > 0
