@@ -10,6 +10,7 @@ others, whatever else shares the step.
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
+from ..config import REPETITION_WINDOW
 from ..errors import UserError
 
 
@@ -22,6 +23,7 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: Optional[float] = None
+    repetition_window: int = REPETITION_WINDOW  # the last tokens (prompt included) the penalty applies to
     presence_penalty: Optional[float] = None  # OpenAI's: subtracted once from each token in the last 20
     frequency_penalty: Optional[float] = None  # OpenAI's: subtracted per occurrence in the last 20
     logit_bias: Optional[dict] = None
@@ -39,6 +41,8 @@ class Sampling:
         _check(0 <= self.min_p < 1, f"min_p must be in [0, 1), not {self.min_p}")
         rp = self.repetition_penalty
         _check(rp is None or rp > 0, f"repetition_penalty must be > 0, not {rp}")
+        _check(isinstance(self.repetition_window, int) and self.repetition_window >= 1,
+               f"repetition_window must be an integer >= 1, not {self.repetition_window}")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                f"seed must be an integer >= 0, not {self.seed}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
@@ -59,7 +63,8 @@ class Sampling:
         from mlx_lm.sample_utils import make_logits_processors
 
         rp = None if self.repetition_penalty in (None, 1.0) else self.repetition_penalty
-        return make_logits_processors(self.logit_bias or None, rp, presence_penalty=self.presence_penalty or None,
+        return make_logits_processors(self.logit_bias or None, rp, self.repetition_window,
+                                      presence_penalty=self.presence_penalty or None,
                                       frequency_penalty=self.frequency_penalty or None) + list(self.logits_processors)
 
     def sampler(self) -> Callable:
