@@ -366,7 +366,8 @@ def info():
     mem = mx.metal.device_info().get("memory_size") if be == "metal" else psutil.virtual_memory().total
     weights = os.environ.get("JUSTFIT_WEIGHTS", "auto")
     if weights == "auto":
-        weights = "auto (fp32 on CPU when it fits in a quarter of RAM, else as stored)" if be == "cpu" else "auto (as stored)"
+        weights = ("auto (as stored + qmm.c where measured faster, else fp32 when it fits in a quarter of RAM)"
+                   if be == "cpu" else "auto (as stored)")
     rows = [
         ("backend", be.upper() if be != "metal" else "Metal"),
         ("device memory", f"{mem / 2**30:.1f} GiB"),
@@ -379,6 +380,10 @@ def info():
         ("tool sandbox", __import__("justfit_agents.sandbox", fromlist=["describe"]).describe()),  # how agent tools are confined
         ("cpu 4-bit kernel", cpu_kernel.status()),  # kvexec/cpu: decode over 4-bit pages on x86-64 CPUs
     ]
+    if be == "cpu":  # models/qmm.c and the speed choices models/tuning.py measured on this machine
+        from .models import qmm, tuning
+
+        rows += [("cpu linear kernel", qmm.status()), ("cpu tuning", tuning.describe())]
     for k, v in rows:
         typer.echo(f"{k:<17} {v}")
 

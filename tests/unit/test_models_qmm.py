@@ -141,3 +141,14 @@ def test_tuning_is_measured_once_and_cached(tmp_path):
     again = tuning.choices()
     assert again == c  # read back, not measured again
     assert "measured in" in tuning.describe()
+
+
+def test_info_shows_the_measured_choices(tmp_path):
+    from typer.testing import CliRunner
+
+    from justfit.cli import app
+
+    r = CliRunner().invoke(app, ["info"], env={"JUSTFIT_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output
+    if mx.default_device() == mx.cpu:
+        assert "cpu tuning" in r.output and str(tmp_path / "tuning") in r.output.replace("\n", "")
