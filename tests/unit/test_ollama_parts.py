@@ -74,7 +74,11 @@ def test_options_reach_the_engine_request_with_ollama_defaults():
 
 
 def test_model_names_and_the_error_envelope():
-    srv = SimpleNamespace(names={"Model-1", "default"})
+    from justfit.server.pool import ModelPool, Served
+
+    pool = ModelPool(None, None)
+    pool.add(Served("spec", "/models/Model-1", None, primary=True))
+    srv = SimpleNamespace(pool=pool)
     for name in ("Model-1", "Model-1:latest", "default", "default:latest"):
         check_model(srv, name)
     with pytest.raises(APIError) as e:
