@@ -12,6 +12,14 @@ from ..errors import UserError
 KV_VALUES = {"on": True, "off": False}
 
 
+class Interrupted(Exception):
+    """Ctrl-C during a sweep: `records` holds every cell measured in full before it, to be saved."""
+
+    def __init__(self, records: List[dict]):
+        super().__init__(f"interrupted after {len(records)} cells")
+        self.records = records
+
+
 def parse_budgets(spec: str) -> List[int]:
     """'128:768:16' (start:stop:step, stop included) or '64,128,256' -> sorted unique budgets."""
     try:
@@ -52,14 +60,23 @@ def parse_kv(spec: str) -> List[str]:
 def run_sweep(backend, budgets: Sequence[int], contexts: Sequence[int], kvs: Sequence[str], warmup: int = 3,
               repeats: int = 5, seed: int = 42, step_runs: int = 1,
               progress: Optional[Callable[[int, int, str], None]] = None) -> List[dict]:
-    """Time every grid cell; one raw record per (context, kv, budget), see FORMAT.md."""
-    from .backends import prompt_ids
-
+    """Time every grid cell; one raw record per (context, kv, budget), see FORMAT.md. Ctrl-C raises
+    Interrupted with the cells finished so far."""
     if repeats < 1 or warmup < 0 or step_runs < 0:
         raise UserError("--repeats must be >= 1 and --warmup, --step-runs >= 0")
+    records: List[dict] = []
+    try:
+        _sweep_into(records, backend, budgets, contexts, kvs, warmup, repeats, seed, step_runs, progress)
+    except KeyboardInterrupt:
+        raise Interrupted(records) from None
+    return records
+
+
+def _sweep_into(records, backend, budgets, contexts, kvs, warmup, repeats, seed, step_runs, progress) -> None:
+    from .backends import prompt_ids
+
     per_cell = warmup + repeats + step_runs
     total, done = len(contexts) * len(kvs) * len(budgets) * per_cell, 0
-    records = []
     for context in contexts:
         ids = prompt_ids(context, backend.vocab_size, seed)
         for kv in kvs:
@@ -81,7 +98,6 @@ def run_sweep(backend, budgets: Sequence[int], contexts: Sequence[int], kvs: Seq
                     if progress:
                         progress(done, total, label)
                 records.append(rec)
-    return records
 
 
 def refine_budgets(regimes: Iterable[dict], budgets: Sequence[int], step: Optional[int] = None) -> List[int]:

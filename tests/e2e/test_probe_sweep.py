@@ -130,3 +130,63 @@ def test_end_to_end_sweep_on_the_default_model(runtime16, tmp_path):
     assert rows[("off", 4)]["decode_step_median_s"] > 1.5 * rows[("on", 4)]["decode_step_median_s"]
     raw = {(r["kv"], r["budget"]): r for r in json.loads((tmp_path / "probe.json").read_text())["raw"]}
     assert [len(raw[("on", 4)]["step_s"][0]), len(raw[("off", 2)]["step_s"][0])] == [3, 1]
+
+
+class StoppedBackend(PlantedBackend):
+    """The planted backend with Ctrl-C pressed during its `stop_at`-th generate call."""
+
+    def __init__(self, stop_at: int):
+        super().__init__()
+        self.stop_at = stop_at
+
+    def generate(self, ids, budget, kv):
+        if len(self.calls) + 1 == self.stop_at:
+            raise KeyboardInterrupt
+        return super().generate(ids, budget, kv)
+
+
+def _probe(monkeypatch, tmp_path, backend, *args):
+    from typer.testing import CliRunner
+
+    import justfit.probe.backends
+    from justfit.cli import app
+
+    monkeypatch.setenv("JUSTFIT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(justfit.probe.backends, "make_backend", lambda *a, **kw: backend)
+    return CliRunner().invoke(app, ["probe", "--out", str(tmp_path / "out"), "--warmup", "0", "--repeats", "2",
+                                    "--step-runs", "0", *args])
+
+
+def test_ctrl_c_saves_the_cells_measured_so_far_and_says_where(monkeypatch, tmp_path):
+    r = _probe(monkeypatch, tmp_path, StoppedBackend(stop_at=8), "--budgets", "8:96:8")
+    assert r.exit_code == 130, r.output
+    back = report.load_report(tmp_path / "out" / "probe.json")
+    assert [c["budget"] for c in back["raw"]] == [8, 16, 24] and back["grid"]["interrupted"] is True
+    assert f"saved the 3 cells measured so far in {tmp_path / 'out'}" in r.output
+    assert "not saved as this device's map" in r.output and not (tmp_path / "home" / "probe").exists()
+
+
+def test_ctrl_c_before_any_cell_writes_nothing_and_says_so(monkeypatch, tmp_path):
+    r = _probe(monkeypatch, tmp_path, StoppedBackend(stop_at=1), "--budgets", "8:96:8")
+    assert r.exit_code == 130 and "nothing written" in r.output
+    assert not (tmp_path / "out" / "probe.json").exists()
+
+
+def test_a_small_sweep_becomes_the_map_only_when_asked(monkeypatch, tmp_path):
+    r = _probe(monkeypatch, tmp_path, PlantedBackend(), "--budgets", "8,16")
+    assert r.exit_code == 0, r.output
+    assert "not saved as this device's map" in r.output and "--save-map" in r.output
+    assert not (tmp_path / "home" / "probe").exists()
+    r = _probe(monkeypatch, tmp_path, PlantedBackend(), "--budgets", "8,16", "--save-map")
+    assert r.exit_code == 0 and "saved map" in r.output and list((tmp_path / "home" / "probe").glob("*.json"))
+    r = _probe(monkeypatch, tmp_path / "full", PlantedBackend(), "--budgets", "8:64:8")  # 8 budgets: saved unasked
+    assert "saved map" in r.output, r.output
+
+
+def test_the_default_sweep_is_the_quick_one():
+    import inspect
+
+    from justfit.probe.cli import probe
+
+    defaults = {p.name: p.default for p in inspect.signature(probe).parameters.values()}
+    assert [defaults[k].default for k in ("budgets", "contexts", "kv", "warmup", "repeats")] == ["32:256:32", "32", "on", 1, 3]
