@@ -82,7 +82,7 @@ def trace(conv: int, turns: int, result_words: int, tools_words: int = 0) -> Lis
 class Server:
     """One server subprocess (justfit or mlx_lm) on a free loopback port."""
 
-    def __init__(self, system: str, folder: str, home: Path):
+    def __init__(self, system: str, folder: str, home: Path, extra=()):
         from justfit.blas import openblas_path
 
         self.system, self.port = system, _free_port()
@@ -93,7 +93,7 @@ class Server:
         lib = openblas_path()  # the same BLAS for both (justfit's CLI preloads it itself)
         if lib and system == "mlx-lm-server":
             env["LD_PRELOAD"] = f"{lib} {env.get('LD_PRELOAD', '')}".strip()
-        cmd = ([sys.executable, "-m", "justfit", "serve", "--model", folder, "--port", str(self.port), "--persist"]
+        cmd = ([sys.executable, "-m", "justfit", "serve", "--model", folder, "--port", str(self.port), "--persist", *extra]
                if system == "justfit-serve" else
                [sys.executable, "-m", "mlx_lm", "server", "--model", folder, "--port", str(self.port)])
         self.log = open(home / f"{system}.log", "ab")
@@ -233,6 +233,11 @@ def serve(
     quick: bool = typer.Option(False, "--quick", help="Smoke run: at most 3 turns, 40-word tool results, 8 "
                                "tokens and 1 round; concurrency 1,4 unless given."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    models: Optional[str] = typer.Option(None, "--models", help="Two comma-separated model specs: the alternating "
+                                         "two-model trace instead (serve_models.py): under one budget, without it, "
+                                         "and against two mlx_lm.server processes."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="With --models: the budget (default: "
+                                                "the larger model and 3/4 of the smaller, so both never fit)."),
 ):
     """justfit serve vs mlx_lm.server on a multi-turn agent trace: TTFT, ITL, throughput, RSS, restart."""
     from importlib.metadata import version
@@ -242,6 +247,8 @@ def serve(
     if quick:
         turns, result_words, max_tokens = min(turns, 3), min(result_words, 40), min(max_tokens, 8)
         concurrency, rounds = ("1,4" if concurrency == "1,4,8" else concurrency), min(rounds, 1)
+    if models is not None:
+        return _serve_models(models, memory_budget, turns, max_tokens, result_words, rounds, json_out)
     folder = str(resolve(model))
     try:
         levels = [int(x) for x in concurrency.split(",") if x.strip()]
@@ -276,6 +283,29 @@ def serve(
                        f"tok/s {row['throughput_tok_s']:.1f}  rss {(row['peak_rss_bytes'] or 0) / 1e6:.0f} MB"
                        + (f"  batch<={row['max_batch']:.0f}" if row["max_batch"] is not None else ""))
         typer.echo(json.dumps(out["ratios"], indent=1))
+
+
+def _serve_models(models: str, memory_budget: Optional[str], turns: int, max_tokens: int, result_words: int,
+                  rounds: int, json_out: bool):
+    from justfit.models import default_model, resolve
+    from justfit.phaseswap import parse_budget
+
+    from .serve_models import budget_for, run
+
+    specs = [m.strip() for m in models.split(",") if m.strip()]
+    if len(specs) != 2:
+        raise typer.BadParameter(f"--models takes two comma-separated model specs, not {models!r}")
+    folders = [str(default_model()) if s == "default" else str(resolve(s)) for s in specs]
+    budget = parse_budget(memory_budget) if memory_budget else budget_for(folders)
+    out = run(folders, budget, turns, max_tokens, result_words, rounds)
+    if json_out:
+        print(json.dumps(out, indent=1))
+        return
+    for row in out["rows"]:
+        typer.echo(f"{row['system']:<15} ttft p50 {row['ttft_p50_s']:.3f}s p99 {row['ttft_p99_s']:.3f}s  "
+                   f"rss {(row['peak_rss_bytes'] or 0) / 1e6:.0f} MB (budget {budget / 1e6:.0f} MB)"
+                   + (f"  reloads {row['reloads']:.0f} weights {row['weights_load_s']:.3f}s kv {row['kv_restore_s']:.3f}s"
+                      if row.get("reloads") else ""))
 
 
 METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "throughput_tok_s", "cached_tokens",

@@ -206,7 +206,8 @@ class ModelPool:
     def report(self) -> dict:
         """For GET /justfit/models: every model, whether it is loaded, its bytes; the budget and the total."""
         rows = [{"id": s.model_id, "loaded": s.loaded, "busy": s.busy, "loads": s.loads,
-                 "load_s": round(s.load_s, 3), "released": bool(s.worker and s.worker.released),
+                 "load_s": round(s.load_s, 3),
+                 "restore_s": round(s.worker.restore_s, 3) if s.worker else None, "released": bool(s.worker and s.worker.released),
                  "keep_alive_s": s.worker.idle_release if s.worker else None, "bytes": s.memory()} for s in self.served]
         return {"models": rows, "budget_bytes": self.budget.limit, "resident_bytes": self.resident(),
                 "events": self.events[-20:]}

@@ -107,6 +107,7 @@ class Worker:
         self.batch = {"queued": 0, "running": 0, "max_running": 0, "steps": 0, "preempted": 0}  # last snapshot
         self.in_flight = 0  # accepted and not finished (the thread's count)
         self.released = False
+        self.restore_s = 0.0  # the last session opened from disk took this long
         self.idle_since = time.time()  # when the last job ended (Ollama's /api/ps expiry counts from it)
         self.thread = threading.Thread(target=self._loop, name="justfit-engine", daemon=True)
         self.thread.start()
@@ -315,8 +316,10 @@ class Worker:
     def _session(self, name: str):
         s = self.sessions.pop(name, None)
         if s is None:
+            start = time.perf_counter()
             try:
                 s = self.rt.session(name)
+                self.restore_s = time.perf_counter() - start  # opening it from disk: its KV restored
             except UserError as e:
                 raise APIError(400, str(e), "prompt_cache_key", "invalid_value") from None
             s.set_persist(False)
