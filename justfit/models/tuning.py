@@ -7,7 +7,7 @@ lost 0.8x on another), so each choice the CPU path makes is timed on first use, 
 - up to how many rows (16, 32, 64) the kernel beats dequantizing the weight and BLAS (`kernel_rows`);
 - row-major float weights (x @ W) vs mlx-lm's layout (x @ W.T), for the float32 path.
 The answers are kept in $JUSTFIT_HOME/tuning/cpu-<key>.json, keyed by the CPU's model name and flags and
-the mlx and justfit versions (any change re-measures), and shown by `justfit info`.
+the mlx and justfit versions and the kernel source (any change re-measures), and shown by `justfit info`.
 """
 
 import hashlib
@@ -40,13 +40,16 @@ def cpu_model() -> str:
 
 def cache_key() -> dict:
     """What the measurements depend on: the CPU and the library versions."""
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
-
+    try:
+        justfit = version("justfit")
+    except PackageNotFoundError:  # a bare checkout on PYTHONPATH
+        justfit = "unknown"
     return {"cpu": cpu_model(), "machine": platform.machine(), "cpus": _cpus(),
             "flags": hashlib.sha256(" ".join(sorted(qmm.cpu_flags())).encode()).hexdigest()[:16],
-            "mlx": version("mlx"), "justfit": __version__}
+            "mlx": version("mlx"), "justfit": justfit,
+            "kernel": hashlib.sha256(qmm.SOURCE.read_bytes()).hexdigest()[:12]}  # an edited kernel re-measures
 
 
 def _cpus() -> int:
