@@ -134,7 +134,7 @@ def test_tuning_is_measured_once_and_cached(tmp_path):
     p = tuning.path()
     assert p.exists() and str(p).startswith(str(tmp_path))
     assert c["key"] == tuning.cache_key()
-    assert c["measured_s"] < 5  # a few hundred ms on a quiet machine; generous for a busy one
+    assert c["measured_s"] < 20  # about 0.4 s on a quiet 2-core machine; a loaded one may take many times that
     if qmm.library() is not None:
         assert c["variant"] in qmm.runnable_variants() and c["threads"] >= 1
     tuning.reset()
