@@ -72,8 +72,11 @@ from .statetrans.cli import app as sessions_app  # noqa: E402
 app.add_typer(sessions_app, name="sessions")
 
 
-# Chat's default against loops (llama.cpp and ollama default to 1.1 too); --repetition-penalty 1 turns it off.
+# Chat's defaults against loops (llama.cpp and ollama default to a 1.1 repetition penalty too); each 0 or 1
+# turns it off. The repetition penalty treats a token seen once like one seen ten times, so a phrase all of
+# whose tokens are already penalized can still loop; the frequency penalty grows with every repeat.
 CHAT_REPETITION_PENALTY = 1.1
+CHAT_FREQUENCY_PENALTY = 0.1
 
 
 class KVBits(str, Enum):
@@ -99,6 +102,7 @@ def chat(
     top_k: int = typer.Option(0, "--top-k", min=0, help="Sample only among the K most likely tokens (0 = off)."),
     min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0, help="Drop tokens less likely than P x the most likely one (0 = off)."),
     repetition_penalty: float = typer.Option(CHAT_REPETITION_PENALTY, "--repetition-penalty", min=1.0, help="Divide the logits of tokens already in the reply's recent context by this (1.0 = off); against loops on small models."),
+    frequency_penalty: float = typer.Option(CHAT_FREQUENCY_PENALTY, "--frequency-penalty", min=0.0, help="Subtract this from a token's logit for each time it occurs in the last 256 tokens (0 = off); with --repetition-penalty, against loops."),
     stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop the reply before this string (repeatable)."),
     seed: Optional[int] = typer.Option(None, "--seed", min=-1, max=2**63 - 1, help="Random seed for sampling (-1 or unset: a fresh one each run)."),
     kv_bits: KVBits = typer.Option(KVBits.four, "--kv-bits", help="KV cache precision: 4, 8 or 16 (full)."),
@@ -139,7 +143,7 @@ def chat(
                    "deterministic); set --temp above 0 to sample", err=True)
     kv = KVConfig(bits=int(kv_bits.value), format=kv_format.value)
     opts = sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop,
-                            None if seed == -1 else seed)
+                            None if seed == -1 else seed, frequency_penalty)
     from .engine.sampling import Sampling
 
     Sampling(**{k: v for k, v in opts.items() if k != "max_tokens"})  # bad values: one line, before loading
@@ -159,11 +163,13 @@ def chat(
         repl(rt, system, opts, out, script)
 
 
-def sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop, seed) -> dict:
+def sampling_options(max_tokens, temp, top_p, top_k, min_p, repetition_penalty, stop, seed,
+                     frequency_penalty: float = 0.0) -> dict:
     """Keyword arguments for rt.stream (the engine contract); filters that are off are left out."""
     opts = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     extra = dict(top_k=top_k or None, min_p=min_p or None,
-                 repetition_penalty=repetition_penalty if repetition_penalty != 1.0 else None, stop=stop or None)
+                 repetition_penalty=repetition_penalty if repetition_penalty != 1.0 else None,
+                 frequency_penalty=frequency_penalty or None, stop=stop or None)
     return {**opts, **{k: v for k, v in extra.items() if v is not None}}
 
 

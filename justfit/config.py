@@ -8,8 +8,8 @@ from typing import Optional
 FORMATS = ("affine", "rotated")
 KEY_FORMATS = FORMATS + ("channel",)  # channel: per-channel key quantization along tokens (keys only)
 OFF = ("0", "off", "false", "no")
-REPETITION_WINDOW = 256  # tokens a repetition penalty looks back over: mlx-lm's 20 let any sentence longer
-# than 20 tokens repeat unpenalized, so a long greedy story looped on one paragraph
+REPETITION_WINDOW = 256  # tokens the repetition, presence and frequency penalties look back over: mlx-lm's 20
+# let any sentence longer than 20 tokens repeat unpenalized, so a long greedy story looped on one paragraph
 
 
 def switched_off(name: str) -> bool:

@@ -23,9 +23,9 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: Optional[float] = None
-    repetition_window: int = REPETITION_WINDOW  # the last tokens (prompt included) the penalty applies to
-    presence_penalty: Optional[float] = None  # OpenAI's: subtracted once from each token in the last 20
-    frequency_penalty: Optional[float] = None  # OpenAI's: subtracted per occurrence in the last 20
+    repetition_window: int = REPETITION_WINDOW  # the last tokens (prompt included) the three penalties look at
+    presence_penalty: Optional[float] = None  # OpenAI's: subtracted once from each token in the window
+    frequency_penalty: Optional[float] = None  # OpenAI's: subtracted per occurrence in the window
     logit_bias: Optional[dict] = None
     seed: Optional[int] = None
     stop: Sequence[str] = ()
@@ -63,9 +63,9 @@ class Sampling:
         from mlx_lm.sample_utils import make_logits_processors
 
         rp = None if self.repetition_penalty in (None, 1.0) else self.repetition_penalty
-        return make_logits_processors(self.logit_bias or None, rp, self.repetition_window,
-                                      presence_penalty=self.presence_penalty or None,
-                                      frequency_penalty=self.frequency_penalty or None) + list(self.logits_processors)
+        w = self.repetition_window
+        return make_logits_processors(self.logit_bias or None, rp, w, self.presence_penalty or None, w,
+                                      self.frequency_penalty or None, w) + list(self.logits_processors)
 
     def sampler(self) -> Callable:
         from mlx_lm.sample_utils import make_sampler
