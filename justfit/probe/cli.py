@@ -40,7 +40,7 @@ def probe(
     model: str = typer.Option("default", "--model", help="'default', an mlx-lm folder, a .gguf, or an HF id (torch: any transformers model)."),
     backend: str = typer.Option("mlx", "--backend", help="mlx (JustFit runtime), mlx-lm (plain mlx-lm) or torch."),
     device: Optional[str] = typer.Option(None, "--device", help="MLX: cpu|gpu. torch: mps|cuda|cpu. Default: the fastest available."),
-    budgets: str = typer.Option("32:256:32", "--budgets", help="Decode budgets: start:stop:step (stop included) or a list 64,128."),
+    budgets: str = typer.Option("16:128:16", "--budgets", help="Decode budgets: start:stop:step (stop included) or a list 64,128."),
     refine: bool = typer.Option(False, "--refine", help="Re-sweep at a finer step around detected transitions and re-measure anomalous budgets."),
     refine_step: Optional[int] = typer.Option(None, "--refine-step", help="Step of the refinement (default: a quarter of the grid step)."),
     contexts: str = typer.Option("32", "--contexts", help="Prompt lengths in tokens, comma-separated."),

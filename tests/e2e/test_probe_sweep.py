@@ -189,4 +189,4 @@ def test_the_default_sweep_is_the_quick_one():
     from justfit.probe.cli import probe
 
     defaults = {p.name: p.default for p in inspect.signature(probe).parameters.values()}
-    assert [defaults[k].default for k in ("budgets", "contexts", "kv", "warmup", "repeats")] == ["32:256:32", "32", "on", 1, 3]
+    assert [defaults[k].default for k in ("budgets", "contexts", "kv", "warmup", "repeats")] == ["16:128:16", "32", "on", 1, 3]
