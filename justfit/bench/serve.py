@@ -296,7 +296,8 @@ def _serve_models(models: str, memory_budget: Optional[str], turns: int, max_tok
     if len(specs) != 2:
         raise typer.BadParameter(f"--models takes two comma-separated model specs, not {models!r}")
     folders = [str(default_model()) if s == "default" else str(resolve(s)) for s in specs]
-    budget = parse_budget(memory_budget) if memory_budget else budget_for(folders)
+    longest = 100 + turns * (30 + result_words * 5)  # more than the last turn's prompt tokens
+    budget = parse_budget(memory_budget) if memory_budget else budget_for(folders, longest)
     out = run(folders, budget, turns, max_tokens, result_words, rounds)
     if json_out:
         print(json.dumps(out, indent=1))

@@ -22,12 +22,18 @@ from .serve_apis import one_request
 from .stats import percentile, spread
 
 
-def budget_for(folders: List[str]) -> int:
-    """A budget that holds the larger model with room for its KV, but not both models."""
+def budget_for(folders: List[str], prompt_tokens: int) -> int:
+    """A budget that holds the larger model with its prefill workspace for a prompt of prompt_tokens, but
+    not both models' weights beside it."""
+    from types import SimpleNamespace
+
+    from justfit.engine.kvbytes import prefill_workspace
     from justfit.server.pool import estimate_weights
 
     sizes = sorted(estimate_weights(f) for f in folders)
-    return sizes[-1] + sizes[0] * 3 // 4
+    args = [SimpleNamespace(**json.loads((Path(f) / "config.json").read_text())) for f in folders]
+    workspace = max(prefill_workspace(SimpleNamespace(args=a), prompt_tokens, prompt_tokens, head=True) for a in args)
+    return sizes[-1] + sizes[0] * 3 // 4 + workspace
 
 
 def conversation(model: int, turns: int, result_words: int) -> List[List[dict]]:

@@ -93,9 +93,16 @@ class Server:
             raise APIError(503, f"out of memory budget: {e}", code="memory_budget", retry_after=5) from None
 
     def _need(self, s, prompt_tokens: int) -> int:
-        """KV bytes of a prompt on a loaded model (0 before it loads: its engine knows its page sizes)."""
+        """KV bytes of a prompt on a loaded model plus its first prefill chunk's workspace (0 before it
+        loads: its engine knows its page sizes)."""
+        from ..engine.kvbytes import prefill_workspace
+        from ..engine.runner import PREFILL_STEP
+
         engine = s.rt.engine if s.loaded else None
-        return engine.kv.seq_bytes(prompt_tokens) if engine is not None and prompt_tokens else 0
+        if engine is None or not prompt_tokens:
+            return 0
+        s.workspace = prefill_workspace(s.rt.model, min(PREFILL_STEP, prompt_tokens), prompt_tokens, head=True)
+        return engine.kv.seq_bytes(prompt_tokens) + s.workspace
 
     def _short(self, s, prompt_tokens: int) -> bool:
         return self.pool.budget.shortfall(self.pool.resident(exclude=s), s.memory()["total"] + self._need(s, prompt_tokens), 0) > 0
@@ -127,9 +134,11 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     from fastapi import FastAPI
 
     from . import errors
+    from .memory import router as memory_router
     from .messages import router as messages_router
     from .ollama import router as ollama_router
     from .ollama_info import router as ollama_info_router
+    from .page import router as page_router
     from .responses import router as responses_router
     from .routes import router
 
@@ -151,6 +160,8 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     app.include_router(ollama_info_router)
     app.include_router(responses_router)
     app.include_router(models_router)
+    app.include_router(page_router)
+    app.include_router(memory_router)
     errors.install(app, api_key, max_body)
     if cors:
         from starlette.middleware.cors import CORSMiddleware
@@ -196,7 +207,7 @@ class LogRequests:
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/v1/messages",
           "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps",
-          "/api/version", "/", "/v1/responses", "/justfit/models")
+          "/api/version", "/", "/v1/responses", "/justfit/models", "/justfit/memory", "/justfit/memory/events", "/justfit/sessions")
 
 
 def check_bind(host: str, api_key: Optional[str]):
