@@ -100,6 +100,7 @@ class Worker:
         self.lock = lock if lock is not None else threading.RLock()  # shared by the workers of one server: one runs MLX at a time
         self.idle_release, self.persist = idle_release, persist
         self.idle_default = idle_release  # what keep_alive() returns to when a request does not ask
+        self.batch_peak = 0  # most requests batched at once since the heap was last trimmed
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.sessions: dict = {}
         self.engine = None  # made on the thread
@@ -183,8 +184,21 @@ class Worker:
                 for job in jobs:
                     self.released = False
                     self._start(job)
+                self.batch_peak = max(self.batch_peak, len(self.batched))
                 self._step()
+                self._trim_when_drained()
             time.sleep(0)  # another model's worker waiting on the lock gets its turn
+
+    def _trim_when_drained(self):
+        """Once a batch of concurrent requests has drained and nothing waits, give glibc's free arena pages
+        back to the OS: glibc keeps what the burst freed in its arenas, so RSS stayed near the burst's
+        peak long after it (docs/reliability.md). Not after lone requests: there is little to return."""
+        if self.batched or self.batch_peak < 2 or not self.jobs.empty():
+            return
+        from ..phaseswap.residency import trim_heap
+
+        self.batch_peak = 0
+        trim_heap()
 
     def _take(self) -> List[Optional[Job]]:
         """Jobs that arrived; waits for one when nothing runs (queue.Empty after idle_release seconds idle)."""
