@@ -27,7 +27,7 @@ def budget_for(folders: List[str], prompt_tokens: int) -> int:
     not both models' weights beside it."""
     from types import SimpleNamespace
 
-    from justfit.engine.kvbytes import prefill_workspace
+    from justfit.engine.runner import prefill_workspace
     from justfit.server.pool import estimate_weights
 
     sizes = sorted(estimate_weights(f) for f in folders)

@@ -95,8 +95,7 @@ class Server:
     def _need(self, s, prompt_tokens: int) -> int:
         """KV bytes of a prompt on a loaded model plus its first prefill chunk's workspace (0 before it
         loads: its engine knows its page sizes)."""
-        from ..engine.kvbytes import prefill_workspace
-        from ..engine.runner import PREFILL_STEP
+        from ..engine.runner import PREFILL_STEP, prefill_workspace
 
         engine = s.rt.engine if s.loaded else None
         if engine is None or not prompt_tokens:
