@@ -133,9 +133,11 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     from fastapi import FastAPI
 
     from . import errors
+    from .memory import router as memory_router
     from .messages import router as messages_router
     from .ollama import router as ollama_router
     from .ollama_info import router as ollama_info_router
+    from .page import router as page_router
     from .responses import router as responses_router
     from .routes import router
 
@@ -157,6 +159,8 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
     app.include_router(ollama_info_router)
     app.include_router(responses_router)
     app.include_router(models_router)
+    app.include_router(page_router)
+    app.include_router(memory_router)
     errors.install(app, api_key, max_body)
     if cors:
         from starlette.middleware.cors import CORSMiddleware
@@ -202,7 +206,7 @@ class LogRequests:
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/v1/messages",
           "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps",
-          "/api/version", "/", "/v1/responses", "/justfit/models")
+          "/api/version", "/", "/v1/responses", "/justfit/models", "/justfit/memory", "/justfit/memory/events", "/justfit/sessions")
 
 
 def check_bind(host: str, api_key: Optional[str]):

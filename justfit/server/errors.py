@@ -136,7 +136,8 @@ class Guard:
     """ASGI middleware: API key (constant-time; `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`),
     body size limit, JSON content, before any route runs."""
 
-    OPEN = ("/health",)
+    OPEN = ("/health", "/")  # and the web page's files (OPEN_PREFIX): they hold no secret
+    OPEN_PREFIX = "/ui/"
 
     def __init__(self, app, api_key: Optional[str], max_body: int):
         self.app, self.max_body = app, max_body
@@ -151,7 +152,8 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers, path = dict(scope["headers"]), scope["path"]
-        if self.key is not None and path not in self.OPEN and not self._authorized(headers):
+        if self.key is not None and path not in self.OPEN and not path.startswith(self.OPEN_PREFIX) \
+                and not self._authorized(headers):
             return await send_error(send, 401, "invalid or missing API key: send 'Authorization: Bearer KEY' "
                                     "or 'x-api-key: KEY'", "invalid_api_key", path)
         length = headers.get(b"content-length")
@@ -183,3 +185,4 @@ def install(app, api_key: Optional[str], max_body: int):
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(HTTPException, on_http)
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
+    app.state.api_key_required = api_key is not None  # the web page asks for the key when set

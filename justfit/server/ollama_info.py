@@ -1,4 +1,5 @@
-"""What Ollama's clients ask before they generate: is the server up (`/`), its version, the models it
+"""What Ollama's clients ask before they generate: is the server up (`/`, answered in page.py, which
+serves browsers the web page there), its version, the models it
 has (`/api/tags`), what one of them is (`/api/show`) and which are loaded (`/api/ps`). JustFit serves one
 model; its Ollama name is the served id with the tag `latest`."""
 
@@ -12,7 +13,6 @@ from pathlib import Path
 from typing import Optional
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
 
 from .errors import APIError
 from .ollama_schema import ShowBody, read_body
@@ -92,12 +92,6 @@ def details(srv) -> dict:
     level = f"Q{quant['bits']}" if quant.get("bits") else str(config.get("torch_dtype", "F16")).upper()
     return {"parent_model": "", "format": "safetensors", "family": family, "families": [family],
             "parameter_size": _size(params) if params else "unknown", "quantization_level": level}
-
-
-@router.get("/")
-@router.head("/")
-async def root():
-    return PlainTextResponse("Ollama is running")
 
 
 @router.get("/api/version")
