@@ -173,13 +173,25 @@ def _metrics_view(metrics) -> dict:
                 if metrics.ttft.n else None}
 
 
+def unloaded_view(m) -> dict:
+    """A served model that is not loaded (unloaded by keep_alive 0 or to make room for another): nothing
+    resident; its checkpoints as last counted while it was loaded."""
+    trend, disk = _model_state(m)
+    return {"model": m.model_id, "loaded": False, "phase": "unloaded", "released": True,
+            "budget": {"limit_bytes": None, "text": None, "resident_bytes": 0, "mlx_active_bytes": None},
+            "components": [], "kv": None, "checkpoints": disk.value, "reuse": _metrics_view(m.metrics),
+            "queue": None, "trend": trend.sample(m.metrics)}
+
+
 def model_view(m) -> dict:
     """One served model's memory: phase, budget, components, KV, checkpoints, reuse and speed."""
     rt, worker = m.rt, m.worker
+    if rt is None or worker is None:
+        return unloaded_view(m)
     trend, disk = _model_state(m)
     res = _retry(rt.residency)
     components = [{k: c[k] for k in ("name", "kind", "bytes", "resident")} for c in res["components"]]
-    return {"model": m.model_id, "phase": res["phase"], "released": bool(worker.released),
+    return {"model": m.model_id, "loaded": True, "phase": res["phase"], "released": bool(worker.released),
             "budget": {"limit_bytes": res.get("budget_bytes"), "text": res.get("budget"),
                        "resident_bytes": res.get("resident_bytes"), "mlx_active_bytes": res.get("mlx_active_bytes")},
             "components": components, "kv": _retry(lambda: kv_view(rt, worker)),

@@ -77,7 +77,13 @@ async def static(name: str):
 # -- sessions (prompt_cache_key) ---------------------------------------------------------------------
 def _open_sessions(server) -> dict:
     """name -> (model, session) of the sessions the servers' workers hold open."""
-    return {name: (m, s) for m in server.models() for name, s in list(m.worker.sessions.items())}
+    return {name: (m, s) for m in server.models() if m.worker is not None
+            for name, s in list(m.worker.sessions.items())}
+
+
+def _home(server, m):
+    """Where a model's sessions are checkpointed: its runtime's home, the server's while it is not loaded."""
+    return m.rt.home if m.rt is not None else server.home
 
 
 def session_list(server) -> list:
@@ -86,7 +92,7 @@ def session_list(server) -> list:
 
     rows, opened = {}, _open_sessions(server)
     for m in server.models():
-        for man in list_manifests(m.rt.home):
+        for man in list_manifests(_home(server, m)):
             rows[man.name] = {"name": man.name, "model": m.model_id, "tokens": len(man.tokens),
                               "messages": len(man.messages), "updated": man.updated, "on_disk": True, "open": False,
                               "running": False}
@@ -110,7 +116,7 @@ def _find(server, name: str):
     opened = _open_sessions(server)
     for m in server.models():
         try:
-            man = read_manifest(m.rt.home, name)
+            man = read_manifest(_home(server, m), name)
         except UserError as e:
             raise APIError(400, str(e), "name", "invalid_value") from None
         s = opened[name][1] if name in opened and opened[name][0] is m else None
@@ -126,19 +132,19 @@ async def get_session(name: str, request: Request):
     m, s, man = _find(request.app.state.server, name)
     tokens = list(s.tokens) if s is not None else list(man.tokens)
     messages = s.messages if s is not None else man.messages
-    text = m.rt.tokenizer.decode(tokens[-4096:]) if tokens and not messages else ""
+    text = m.rt.tokenizer.decode(tokens[-4096:]) if tokens and not messages and m.rt is not None else ""
     return JSONResponse({"name": name, "model": m.model_id, "tokens": len(tokens),
                          "messages": [{"role": x["role"], "content": x.get("content", "")} for x in messages],
                          "text": text}, headers=SECURITY_HEADERS)
 
 
-def _delete(m, s, name: str) -> bool:
+def _delete(m, s, name: str, home) -> bool:
     """Close the open session (under the engine's step lock, so no step runs on its pages meanwhile) and
     remove its manifest and pin; its pages go at the store's next garbage collection."""
     from ..statetrans.manifest import remove_manifest
     from ..statetrans.quota import set_pinned
 
-    engine = m.rt.engine
+    engine = m.rt.engine if m.rt is not None else None
     if s is not None:
         lock = engine.lock if engine is not None else None
         if lock is not None:
@@ -152,13 +158,14 @@ def _delete(m, s, name: str) -> bool:
         finally:
             if lock is not None:
                 lock.release()
-    removed = remove_manifest(m.rt.home, name)
-    set_pinned(m.rt.home, name, False)
+    removed = remove_manifest(home, name)
+    set_pinned(home, name, False)
     return removed or s is not None
 
 
 @router.delete("/justfit/sessions/{name}")
 async def delete_session(name: str, request: Request):
-    m, s, _ = _find(request.app.state.server, name)
-    await asyncio.to_thread(_delete, m, s, name)
+    server = request.app.state.server
+    m, s, _ = _find(server, name)
+    await asyncio.to_thread(_delete, m, s, name, _home(server, m))
     return JSONResponse({"name": name, "deleted": True}, headers=SECURITY_HEADERS)

@@ -321,10 +321,15 @@ function legend(items) {
   return el("div", { class: "legend" }, ...items.map(([cls, label]) => el("span", {}, el("i", { class: cls }), label)));
 }
 
-function table(head, rows) {
+// rowAttrs(i): the attributes of row i (data-* for what a reader or a test looks up).
+function table(head, rows, rowAttrs = () => ({})) {
   const t = el("table", {}, el("tr", {}, ...head.map((h, i) => el("th", { class: i ? "num" : "", text: h }))));
-  for (const r of rows) t.append(el("tr", {}, ...r.map((c, i) => el("td", { class: i ? "num" : "", text: String(c) }))));
+  rows.forEach((r, n) => t.append(el("tr", rowAttrs(n), ...r.map((c, i) => el("td", { class: i ? "num" : "", text: String(c) })))));
   return t;
+}
+
+function kvBytes(s) {
+  return Object.values(s.bytes).reduce((a, b) => a + (b || 0), 0);
 }
 
 function spark(points, key, cls) {
@@ -342,7 +347,17 @@ function spark(points, key, cls) {
   return svg;
 }
 
+function drawUnloaded(m) {
+  const card = el("section", { class: "card", "data-model": m.model });
+  card.append(el("h3", {}, m.model + " ", el("span", { class: "phase unloaded", "data-phase": m.phase, text: "not loaded" })));
+  card.append(el("div", { class: "muted", text: "Weights and KV released; its sessions wait on disk and the next request loads it." }));
+  const ck = m.checkpoints;
+  if (ck) card.append(table(["session", "tokens", "pages", "on disk"], ck.sessions.map((s) => [s.name, s.tokens, s.pages, mb(s.disk_bytes)])));
+  return card;
+}
+
 function drawModel(m) {
+  if (!m.loaded) return drawUnloaded(m);
   const kv = m.kv, f = kv.by_format;
   const weights = m.components.filter((c) => c.kind !== "kv");
   const resident = weights.filter((c) => c.resident).reduce((a, c) => a + c.bytes, 0);
@@ -359,10 +374,12 @@ function drawModel(m) {
     ["c-work", "workspace " + mb(kv.workspace_bytes)], ["c-released", "released " + mb(released)]]));
   const grid = el("div", { class: "grid2" });
   const left = el("div", {}, el("h2", { text: "Components" }),
-    table(["component", "kind", "bytes", "resident"], m.components.map((c) => [c.name, c.kind, mb(c.bytes), c.resident ? "yes" : "released"])));
+    table(["component", "kind", "bytes", "resident"], m.components.map((c) => [c.name, c.kind, mb(c.bytes), c.resident ? "yes" : "released"]),
+      (i) => ({ "data-component": m.components[i].name, "data-resident": m.components[i].resident ? "yes" : "no" })));
   const right = el("div", {}, el("h2", { text: "KV by session" }),
     table(["session", "tokens", kv.format.bits + "-bit sealed", "float sealed", "open page", "float window", "workspace"],
-      kv.sessions.map((s) => [s.name, s.tokens, mb(s.bytes.sealed_quantized), mb(s.bytes.sealed_float), mb(s.bytes.open), mb(s.bytes.float_window), mb(s.bytes.workspace)])),
+      kv.sessions.map((s) => [s.name, s.tokens, mb(s.bytes.sealed_quantized), mb(s.bytes.sealed_float), mb(s.bytes.open), mb(s.bytes.float_window), mb(s.bytes.workspace)]),
+      (i) => ({ "data-session": kv.sessions[i].name, "data-kv-bytes": String(kvBytes(kv.sessions[i])) })),
     el("div", { class: "muted", text: "Pool: " + kv.pages_used + " pages used, " + kv.pages_free + " free · prefix cache " + kv.prefix_cache.pages + " pages (" + mb(kv.prefix_cache.bytes) + ")" }));
   grid.append(left, right);
   card.append(grid);
