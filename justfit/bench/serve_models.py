@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import List
 
-from .serve import SYSTEM, Server, _log, tool_result
+from .serve_trace import SYSTEM, Server, _log, tool_result
 from .serve_apis import one_request
 from .stats import percentile, spread
 

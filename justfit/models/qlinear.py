@@ -45,11 +45,11 @@ def _weights(layers):
     return [(m["weight"], m["scales"], m["biases"], m.group_size, m.bits) for m in layers]
 
 
-def _kernel(x, layers):
-    """x @ W^T (+ bias) for each layer, in one qmm.c call."""
+def _kernel(x, linears):
+    """x @ W^T (+ bias) for each quantized linear layer, in one qmm.c call."""
     choice = tuning.choices()
-    outs = qmm.matmul(x, _weights(layers), choice["variant"], choice["threads"])
-    return [o + m["bias"] if "bias" in m else o for m, o in zip(layers, outs)]
+    outs = qmm.matmul(x, _weights(linears), choice["variant"], choice["threads"])
+    return [o + m["bias"] if "bias" in m else o for m, o in zip(linears, outs)]
 
 
 def _decode_sized(x, layers) -> bool:
