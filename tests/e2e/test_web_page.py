@@ -52,7 +52,9 @@ def test_page_key_chat_resume_and_memory(served, browser):
     page.set_default_timeout(30_000)
 
     # The page and its files load without the key; the page asks for it, refuses a wrong one, takes the right one.
-    page.goto(served.url + "/")
+    response = page.goto(served.url + "/")
+    csp = response.headers.get("content-security-policy", "")
+    assert "default-src 'self'" in csp and "unsafe-inline" not in csp.split("script-src")[-1].split(";")[0], csp
     expect(page.locator("#key-form")).to_be_visible()
     assert not errors, errors
     page.fill("#key-input", "wrong")
