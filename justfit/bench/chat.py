@@ -9,6 +9,10 @@ token ids) and greedy sampling. Each row names the weight and KV dtypes it ran a
 yielded; decode tok/s is (tokens - 1) / (last token time - first token time); peak memory is MLX's peak
 over the turn. Each round uses a fresh prompt (so no system reuses a previous round's prefix beyond
 what the Runtime's own prefix cache does, reported as `reused_tokens`); systems alternate in each round.
+
+`--context N` puts a document of about N tokens before each round's question (TTFT at long prompts); its
+words are shuffled per round from a seed, so no round shares a prefix with another. `--systems` leaves
+baselines out (mlx_lm.load's quantized path prefills at a few tokens per second on a CPU).
 """
 
 import json
@@ -30,6 +34,30 @@ PROMPTS = [
     "Give a packing list for a two-day hike in autumn and say why each item matters.",
     "Tell a very short story about a robot who learns to bake bread.",
 ]
+
+
+SYSTEMS = ("justfit", "mlx-lm", "mlx-lm-quantized")
+
+
+def long_prompt(question: str, tokens: int, seed: int, encode) -> str:
+    """`question` after a document of about `tokens` tokens: words of the bench's prompts in an order drawn
+    from `seed`, cut to length by the tokenizer (`encode`)."""
+    import random
+
+    if tokens <= 0:
+        return question
+    words = " ".join(PROMPTS).split()
+    rng = random.Random(seed)
+    doc = []
+    while len(doc) < tokens:
+        doc.extend(rng.sample(words, len(words)))
+    text = " ".join(doc)
+    ids = encode(text)
+    while len(ids) > tokens:  # whole words only: drop the surplus's share and re-measure
+        doc = doc[: max(1, int(len(doc) * tokens / len(ids)) - 1)]
+        text = " ".join(doc)
+        ids = encode(text)
+    return f"Read this document, then answer.\n\n{text}\n\n{question}"
 
 
 def _log(msg):
@@ -87,17 +115,22 @@ def _activation_dtype(model):
         return mx.float32
 
 
-def _baselines(path):
-    """{name: model} of the mlx-lm systems: a float32 copy in mlx-lm's layout, and mlx_lm.load's own model."""
+def _baselines(path, systems):
+    """{name: model} of the mlx-lm systems asked for: a float32 copy in mlx-lm's layout, and mlx_lm.load's
+    own model."""
     from mlx_lm.utils import load as mlx_load
 
     from justfit.models import layout, load, qlinear
 
-    fp32, _ = load(path, weights="fp32")
-    layout.standard(fp32)
-    qlinear.standard(fp32)
-    quantized, _ = mlx_load(path)
-    return {"mlx-lm": fp32, "mlx-lm-quantized": quantized}
+    out = {}
+    if "mlx-lm" in systems:
+        fp32, _ = load(path, weights="fp32")
+        layout.standard(fp32)
+        qlinear.standard(fp32)
+        out["mlx-lm"] = fp32
+    if "mlx-lm-quantized" in systems:
+        out["mlx-lm-quantized"] = mlx_load(path)[0]
+    return out
 
 
 def _dtypes(rt, models) -> dict:
@@ -113,7 +146,7 @@ def _dtypes(rt, models) -> dict:
     return out
 
 
-def run(model_spec: str, rounds: int, max_tokens: int) -> dict:
+def run(model_spec: str, rounds: int, max_tokens: int, context: int = 0, systems=SYSTEMS) -> dict:
     import os
 
     import mlx.core as mx
@@ -124,16 +157,17 @@ def run(model_spec: str, rounds: int, max_tokens: int) -> dict:
 
     rt = justfit.Runtime(model_spec)
     tokenizer = rt.tokenizer
-    models = _baselines(rt.model.justfit_path)
+    models = _baselines(rt.model.justfit_path, systems)
     dtypes = _dtypes(rt, models)
     stream_bw = bandwidth.stream_read_bandwidth()
     load_start = [round(x, 2) for x in os.getloadavg()]
     _justfit(rt, "Hello.", 4)  # warm-up, excluded
     for m in models.values():
         _mlx_lm(m, tokenizer, rt.encode("Hello."), 4)
-    per = {"justfit": [], **{name: [] for name in models}}
+    per = {name: [] for name in systems}
     for r in range(rounds):
-        prompt = PROMPTS[r % len(PROMPTS)] + ("" if r < len(PROMPTS) else f" (variant {r})")
+        question = PROMPTS[r % len(PROMPTS)] + ("" if r < len(PROMPTS) else f" (variant {r})")
+        prompt = long_prompt(question, context, seed=r, encode=rt.encode)
         ids = rt.encode(prompt)
         order = list(per) if r % 2 == 0 else list(per)[::-1]
         for name in order:
@@ -159,6 +193,7 @@ def run(model_spec: str, rounds: int, max_tokens: int) -> dict:
     return {"bench": "chat", "model": getattr(rt.model, "justfit_path", model_spec), "backend": backend(),
             "versions": {"justfit": justfit.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
             "default_kv": vars(rt.kv), "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+            "context": context,
             "notes": {"timing": f"median of {rounds} interleaved rounds, fresh prompt per round, greedy, _min/_max",
                       "justfit": "Runtime.stream(prompt): the path of `justfit chat` (default KVConfig, prefix reuse on)",
                       "mlx-lm": "mlx_lm.stream_generate on the same token ids, its default KVCache, a float32 copy of "
@@ -173,6 +208,10 @@ def chat(
     rounds: int = typer.Option(5, "--rounds", help="Interleaved rounds (median, min, max)."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens generated per turn."),
     model: str = typer.Option("default", "--model", help="Model spec, as for justfit chat."),
+    context: int = typer.Option(0, "--context", help="Tokens of document before each question (0: the short "
+                                "prompts alone). TTFT at 512 to 8k tokens is the long-prompt target."),
+    systems: str = typer.Option(",".join(SYSTEMS), "--systems",
+                                help="Comma-separated systems to run: justfit, mlx-lm, mlx-lm-quantized."),
     quick: bool = typer.Option(False, "--quick", help="CI smoke: 2 rounds of 8 tokens."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ):
@@ -183,7 +222,13 @@ def chat(
         rounds, max_tokens = 2, 8
     if rounds < 1 or max_tokens < 2:
         raise UserError("--rounds must be at least 1 and --max-tokens at least 2")
-    result = run(model, rounds, max_tokens)
+    if context < 0:
+        raise UserError("--context must be 0 or more tokens")
+    chosen = tuple(x.strip() for x in systems.split(",") if x.strip())
+    unknown = sorted(set(chosen) - set(SYSTEMS))
+    if unknown or "justfit" not in chosen:
+        raise UserError(f"--systems takes justfit (always) and any of mlx-lm, mlx-lm-quantized; got {systems!r}")
+    result = run(model, rounds, max_tokens, context, chosen)
     if json_out:
         print(json.dumps(result))
         return
