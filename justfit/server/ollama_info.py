@@ -1,7 +1,8 @@
 """What Ollama's clients ask before they generate: is the server up (`/`, answered in page.py, which
 serves browsers the web page there), its version, the models it
-has (`/api/tags`), what one of them is (`/api/show`) and which are loaded (`/api/ps`). JustFit serves one
-model; its Ollama name is the served id with the tag `latest`."""
+has (`/api/tags`), what one of them is (`/api/show`) and which are loaded (`/api/ps`). A served model's
+Ollama name is its id with the tag `latest`. Listing and showing read the model's folder and never load it:
+a client that looks at every model must not evict the ones in use."""
 
 import hashlib
 import json
@@ -85,6 +86,22 @@ def _info(srv):
     return _files(folder) if folder else (0, hashlib.sha256(srv.model_id.encode()).hexdigest(), {}, 0, srv.started)
 
 
+def _template(srv) -> str:
+    """The chat template (Jinja) the tokenizer renders with: the loaded tokenizer's, else the folder's
+    `tokenizer_config.json` or `chat_template.jinja`."""
+    if srv.rt is not None:
+        return getattr(srv.rt.tokenizer, "chat_template", None) or ""
+    folder = Path(srv.path)
+    try:
+        if (folder / "chat_template.jinja").is_file():
+            return (folder / "chat_template.jinja").read_text()
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    template = config.get("chat_template") or ""
+    return template if isinstance(template, str) else ""
+
+
 def details(srv) -> dict:
     _, _, config, params, _ = _info(srv)
     family = config.get("model_type", "unknown")
@@ -118,20 +135,20 @@ async def show(request: Request):
     if not name:
         raise APIError(400, "model is required")
     check_model(srv, name)
-    srv = await srv.use(name, status=404)
+    srv = srv.pool.find(name)
     _, _, config, params, modified = _info(srv)
+    context = srv.context or int(config.get("max_position_embeddings") or 8192)  # as prompts.context_length reads it
     arch = config.get("model_type", "unknown")
-    info = {"general.architecture": arch, "general.parameter_count": params, f"{arch}.context_length": srv.context}
+    info = {"general.architecture": arch, "general.parameter_count": params, f"{arch}.context_length": context}
     for key, ours in (("embedding_length", "hidden_size"), ("block_count", "num_hidden_layers"),
                       ("attention.head_count", "num_attention_heads"),
                       ("attention.head_count_kv", "num_key_value_heads"), ("vocab_size", "vocab_size")):
         if ours in config:
             info[f"{arch}.{key}"] = config[ours]
-    folder = getattr(srv.rt.model, "justfit_path", None) or srv.rt.model_spec
-    return {"modelfile": f"# served by JustFit\nFROM {folder}\nPARAMETER num_ctx {srv.context}\n",
-            "parameters": f"num_ctx {srv.context}\ntemperature 0.8\ntop_k 40\ntop_p 0.9",
-            "template": getattr(srv.rt.tokenizer, "chat_template", None) or "",
-            "details": details(srv), "model_info": info, "capabilities": ["completion", "tools"],
+    return {"modelfile": f"# served by JustFit\nFROM {srv.path}\nPARAMETER num_ctx {context}\n",
+            "parameters": f"num_ctx {context}\ntemperature 0.8\ntop_k 40\ntop_p 0.9",
+            "template": _template(srv), "details": details(srv), "model_info": info,
+            "capabilities": ["completion", "tools"],
             "modified_at": iso(modified)}
 
 

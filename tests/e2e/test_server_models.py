@@ -118,6 +118,10 @@ def test_unload_and_load_endpoints(pooled):
     r = pooled.http.post("/api/generate", json={"model": "tiny-llama", "prompt": "", "keep_alive": 0})
     assert r.status_code == 200 and r.json()["done_reason"] == "unload"
     assert "tiny-llama" not in _resident(pooled)
+    # showing a model reads its folder: it does not load it (a client listing every model evicts nothing)
+    shown = pooled.http.post("/api/show", json={"model": "tiny-llama"}).json()
+    assert shown["model_info"]["llama.context_length"] == 2048 and "{%" in shown["template"], shown
+    assert "tiny-llama" not in _resident(pooled)
     with pooled.http.stream("POST", "/justfit/models/tiny-llama/load") as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1]["status"] == "ready", events
