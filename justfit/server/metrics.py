@@ -5,7 +5,7 @@ component (read from the runtime at scrape time)."""
 import threading
 from bisect import bisect_left
 from collections import defaultdict
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -59,8 +59,11 @@ class Metrics:
         with self.lock:
             self.itl.observe(seconds)
 
-    def render(self, rt, batch: dict) -> str:
-        """The whole exposition text; `batch`: waiting, running, max_running, steps, preempted."""
+    def render(self, models) -> str:
+        """The whole exposition text. `models`: (model id, runtime, batch) of each loaded model, where batch
+        holds waiting, running, max_running, steps, preempted. The unlabelled gauges are totals over the
+        models (running_max: the largest); the `justfit_model_*` series and the resident bytes carry a
+        `model` label."""
         out = ["# HELP justfit_requests_total HTTP requests by route and status.",
                "# TYPE justfit_requests_total counter"]
         with self.lock:
@@ -73,23 +76,51 @@ class Metrics:
             out += ["# HELP justfit_inter_token_seconds Gap between streamed tokens.",
                     "# TYPE justfit_inter_token_seconds histogram"]
             out += list(self.itl.lines("justfit_inter_token_seconds"))
-        out += ["# HELP justfit_queue_length Requests waiting to start generating.",
-                "# TYPE justfit_queue_length gauge", f"justfit_queue_length {batch['waiting']}",
-                "# HELP justfit_batch_running Requests generating now (the engine's running batch).",
-                "# TYPE justfit_batch_running gauge", f"justfit_batch_running {batch['running']}",
-                "# HELP justfit_batch_running_max Largest running batch seen since start.",
-                "# TYPE justfit_batch_running_max gauge", f"justfit_batch_running_max {batch['max_running']}",
-                "# TYPE justfit_batch_steps_total counter", f"justfit_batch_steps_total {batch['steps']}",
-                "# TYPE justfit_preempted_total counter", f"justfit_preempted_total {batch['preempted']}"]
-        used, free = pool_pages(rt)
-        out += ["# HELP justfit_pool_pages KV pages in the shared pool.", "# TYPE justfit_pool_pages gauge",
-                f'justfit_pool_pages{{state="used"}} {used}', f'justfit_pool_pages{{state="free"}} {free}']
-        out += ["# HELP justfit_resident_bytes Resident bytes per component (PhaseSwap).",
+        out += _batch_lines(models)
+        out += _pool_lines(models)
+        out += ["# HELP justfit_resident_bytes Resident bytes per model and component (PhaseSwap).",
                 "# TYPE justfit_resident_bytes gauge"]
-        for c in rt.residency()["components"]:
-            out.append(f'justfit_resident_bytes{{component="{c["name"]}",kind="{c["kind"]}"}} '
-                       f'{c["bytes"] if c["resident"] else 0}')
+        for model, rt, _ in models:
+            for c in rt.residency()["components"]:
+                out.append(f'justfit_resident_bytes{{model="{_label(model)}",component="{c["name"]}",kind="{c["kind"]}"}} '
+                           f'{c["bytes"] if c["resident"] else 0}')
         return "\n".join(out) + "\n"
+
+
+BATCH = (("queue_length", "waiting", "gauge", "Requests waiting to start generating."),
+         ("batch_running", "running", "gauge", "Requests generating now (the engine's running batch)."),
+         ("batch_running_max", "max_running", "gauge", "Largest running batch seen since start."),
+         ("batch_steps_total", "steps", "counter", "Engine steps."),
+         ("preempted_total", "preempted", "counter", "Requests preempted to free KV pages."))
+
+
+def _label(text: str) -> str:
+    return str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def _batch_lines(models) -> List[str]:
+    """Each batch gauge as a total over the models, then per model."""
+    out = []
+    for name, key, kind, help_text in BATCH:
+        values = [b[key] for _, _, b in models]
+        total = max(values, default=0) if key == "max_running" else sum(values)
+        out += [f"# HELP justfit_{name} {help_text}", f"# TYPE justfit_{name} {kind}", f"justfit_{name} {total}"]
+    for name, key, kind, help_text in BATCH:
+        out += [f"# HELP justfit_model_{name} {help_text} Per model.", f"# TYPE justfit_model_{name} {kind}"]
+        out += [f'justfit_model_{name}{{model="{_label(m)}"}} {b[key]}' for m, _, b in models]
+    return out
+
+
+def _pool_lines(models) -> List[str]:
+    pages = [(m, *pool_pages(rt)) for m, rt, _ in models]
+    out = ["# HELP justfit_pool_pages KV pages in the shared pools (all models).", "# TYPE justfit_pool_pages gauge",
+           f'justfit_pool_pages{{state="used"}} {sum(p[1] for p in pages)}',
+           f'justfit_pool_pages{{state="free"}} {sum(p[2] for p in pages)}',
+           "# HELP justfit_model_pool_pages KV pages in each model's pool.", "# TYPE justfit_model_pool_pages gauge"]
+    for m, used, free in pages:
+        out += [f'justfit_model_pool_pages{{model="{_label(m)}",state="used"}} {used}',
+                f'justfit_model_pool_pages{{model="{_label(m)}",state="free"}} {free}']
+    return out
 
 
 def pool_pages(rt) -> Tuple[int, int]:

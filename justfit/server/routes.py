@@ -33,11 +33,8 @@ async def health(request: Request):
 @router.get("/metrics")
 async def metrics(request: Request):
     srv = _srv(request)
-    loaded = sorted(srv.loaded(), key=lambda s: s.last_used)
-    if not loaded:  # nothing loaded: the counters alone
-        text = srv.metrics.render(_Unloaded(), {"waiting": 0, "running": 0, "max_running": 0, "steps": 0, "preempted": 0})
-    else:
-        text = srv.metrics.render(loaded[-1].rt, loaded[-1].worker.snapshot())
+    loaded = [m for m in srv.loaded() if m.rt is not None and m.worker is not None]
+    text = srv.metrics.render([(m.model_id, m.rt, m.worker.snapshot()) for m in loaded])
     if srv.gate is not None:  # set when uvicorn serves the app through conns.py
         text += "\n".join(srv.gate.metric_lines()) + "\n"
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -154,18 +151,6 @@ async def _text_chunks(srv, req: CompletionRequest, rid: str, jobs, head: str, r
                 yield Completion(id=rid, model=srv.model_id, choices=[TextChoice(index=i, text=value[1], finish_reason=None)])
     if req.stream_options and req.stream_options.include_usage:
         yield Completion(id=rid, model=srv.model_id, choices=[], usage=_usage(jobs, stats))
-
-
-class _Unloaded:
-    """What /metrics reads of a runtime while no model is loaded: an empty pool, no components."""
-
-    class index:
-        class pool:
-            refs, free_ids = (), 0
-
-    @staticmethod
-    def residency() -> dict:
-        return {"components": []}
 
 
 class _Continued:

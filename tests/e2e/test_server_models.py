@@ -83,6 +83,10 @@ def test_alternating_models_share_one_budget(pooled, server):
         tiny_replies.append(r.json()["choices"][0]["message"]["content"])
         assert _resident(pooled) == ["tiny-llama"]  # the default model was unloaded to make room
     assert tiny_replies[0] == tiny_replies[1]
+    metrics = pooled.http.get("/metrics").text  # gauges per loaded model, labelled with its id
+    assert 'justfit_model_batch_steps_total{model="tiny-llama"}' in metrics, metrics
+    assert 'justfit_resident_bytes{model="tiny-llama",' in metrics and 'model="SmolLM2' not in metrics
+    assert "\njustfit_queue_length 0\n" in metrics
     report = pooled.http.get("/justfit/models").json()
     assert report["resident_bytes"] <= pooled.budget
     loads = [e for e in report["events"] if e.startswith("load ")]
