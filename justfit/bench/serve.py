@@ -16,14 +16,12 @@ alternating order) with min and max.
 import asyncio
 import json
 import os
-import tempfile
-from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from .serve_apis import APIS
-from .serve_trace import Server, _log, run_phase, trace
+from .serve_trace import Server, _log, run_phase, scratch_home, trace
 from .stats import percentile, spread
 
 
@@ -48,22 +46,22 @@ def summarize(reqs: List[dict]) -> dict:
 
 def one_round(system: str, api: str, folder: str, convs, turns: int, max_tokens: int, concurrency: int) -> List[dict]:
     """Start the server fresh, run the trace through `api`, restart it, run the next turn; rows for this round."""
-    home = Path(tempfile.mkdtemp(prefix=f"justfit-bench-serve-{system}-"))
-    srv = Server(system, folder, home)
-    try:
-        res = asyncio.run(run_phase(srv.url, api, srv.model, convs, range(turns), max_tokens, concurrency))
-        rss = srv.peak_rss()  # read before the process (and its /proc entry) goes
-        batch = srv.max_batch()
-    finally:
-        srv.stop()
-    restarted = Server(system, folder, home)
-    try:
-        after = asyncio.run(run_phase(restarted.url, api, restarted.model, convs, range(turns, turns + 1), max_tokens,
-                                      concurrency))
-        rss2 = restarted.peak_rss()
-        batch2 = restarted.max_batch()
-    finally:
-        restarted.stop()
+    with scratch_home(f"justfit-bench-serve-{system}-") as home:
+        srv = Server(system, folder, home)
+        try:
+            res = asyncio.run(run_phase(srv.url, api, srv.model, convs, range(turns), max_tokens, concurrency))
+            rss = srv.peak_rss()  # read before the process (and its /proc entry) goes
+            batch = srv.max_batch()
+        finally:
+            srv.stop()
+        restarted = Server(system, folder, home)
+        try:
+            after = asyncio.run(run_phase(restarted.url, api, restarted.model, convs, range(turns, turns + 1), max_tokens,
+                                          concurrency))
+            rss2 = restarted.peak_rss()
+            batch2 = restarted.max_batch()
+        finally:
+            restarted.stop()
     base = {"system": system, "api": api, "concurrency": concurrency, "start_s": srv.start_s, "max_batch": batch}
     first = res[0]
     later = [r for t in range(1, turns) for r in res[t]]

@@ -12,12 +12,11 @@ Rows: TTFT p50/p99 per system, the reload split (weights load and session KV res
 
 import asyncio
 import json
-import tempfile
 import time
 from pathlib import Path
 from typing import List
 
-from .serve_trace import SYSTEM, Server, _log, tool_result
+from .serve_trace import SYSTEM, Server, _log, scratch_home, tool_result
 from .serve_apis import one_request
 from .stats import percentile, spread
 
@@ -69,21 +68,21 @@ def _peak(servers) -> int:
 
 def one_round(system: str, folders: List[str], budget: int, turns: int, max_tokens: int, result_words: int) -> dict:
     convs = [conversation(m, turns, result_words) for m in range(len(folders))]
-    home = Path(tempfile.mkdtemp(prefix=f"justfit-bench-models-{system}-"))
-    if system == "mlx-lm-2proc":
-        servers = [Server("mlx-lm-server", f, home / str(i)) for i, f in enumerate(folders)]
-        urls, names = [s.url for s in servers], folders
-    else:
-        extra = [a for f in folders[1:] for a in ("--model", f)]
-        extra += ["--memory-budget", str(budget)] if system == "justfit-budget" else []
-        servers = [Server("justfit-serve", folders[0], home, extra=extra)]
-        urls, names = [servers[0].url] * len(folders), folders
-    try:
-        recs = asyncio.run(_trace(urls, names, convs, turns, max_tokens, system != "mlx-lm-2proc"))
-        rss = _peak(servers)
-    finally:
-        for s in servers:
-            s.stop()
+    with scratch_home(f"justfit-bench-models-{system}-") as home:
+        if system == "mlx-lm-2proc":
+            servers = [Server("mlx-lm-server", f, home / str(i)) for i, f in enumerate(folders)]
+            urls, names = [s.url for s in servers], folders
+        else:
+            extra = [a for f in folders[1:] for a in ("--model", f)]
+            extra += ["--memory-budget", str(budget)] if system == "justfit-budget" else []
+            servers = [Server("justfit-serve", folders[0], home, extra=extra)]
+            urls, names = [servers[0].url] * len(folders), folders
+        try:
+            recs = asyncio.run(_trace(urls, names, convs, turns, max_tokens, system != "mlx-lm-2proc"))
+            rss = _peak(servers)
+        finally:
+            for s in servers:
+                s.stop()
     later = [r for r in recs if r["turn"] > 0]  # every later turn follows the other model's turn
     ttft = [r["ttft_s"] for r in later]
     row = {"system": system, "requests": len(recs), "ttft_p50_s": percentile(ttft, 0.5),

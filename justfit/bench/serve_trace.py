@@ -5,11 +5,14 @@ server subprocess (`justfit serve` or `mlx_lm.server`) on a free loopback port, 
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional
 
@@ -22,6 +25,19 @@ SYSTEM = ("You are a coding agent in a sandboxed repository. Read files before e
 
 def _log(msg: str):
     print(msg, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def scratch_home(prefix: str):
+    """A temporary JUSTFIT_HOME for one round's servers (their stores grow by the model's pages, ~170 MB for
+    the default model), removed after the round; kept when the round fails, so its server logs can be read."""
+    home = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield home
+    except BaseException:
+        _log(f"kept {home} (its *.log files are the servers' logs)")
+        raise
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def _free_port() -> int:
@@ -93,7 +109,7 @@ class Server:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.system} exited with {self.proc.returncode}")
+                raise RuntimeError(f"{self.system} exited with {self.proc.returncode}: {self.last_line()}")
             try:
                 path = "/health" if self.system == "justfit-serve" else "/v1/models"
                 if httpx.get(self.url + path, timeout=2).status_code == 200:
@@ -101,7 +117,14 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        raise RuntimeError(f"{self.system} did not start in {timeout} s")
+        raise RuntimeError(f"{self.system} did not start in {timeout} s: {self.last_line()}")
+
+    def last_line(self) -> str:
+        """The last line of the server's log, and where the log is."""
+        self.log.flush()
+        path = Path(self.log.name)
+        lines = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+        return f"{lines[-1] if lines else '(no output)'} (log: {path})"
 
     def peak_rss(self) -> Optional[int]:
         """The process's peak resident set (VmHWM), in bytes."""
