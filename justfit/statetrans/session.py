@@ -163,6 +163,8 @@ class Session:
         finally:
             if not req.done:
                 req.cancel()  # stopped early: what was emitted stays in the history and its K/V
+            else:  # left at (or after) the last chunk: the turn goes in now, so the next one is not refused
+                req.engine.settle()
 
     def submit(self, prompt, max_tokens: int = 256, temperature: float = 0.0, seed: Optional[int] = None,
                top_p: float = 1.0, stats: Optional[TurnStats] = None, **options):

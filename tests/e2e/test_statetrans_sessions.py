@@ -223,3 +223,20 @@ def test_a_session_turn_is_an_engine_request_and_one_runs_at_a_time(runtime16):
         assert again.stats.reused_tokens >= len(s.tokens) - len(again.tokens) - 16  # only the new turn prefilled
     finally:
         s.close()
+
+
+def test_a_turn_left_after_its_last_chunk_is_recorded_and_the_next_turn_runs(runtime16):
+    """A caller that stops iterating at the turn's last chunk (a `break`, or reading only the first token of
+    a one-token turn) closes the stream: the turn is recorded then, not at some later engine call, so the
+    session's next turn is not refused as 'already running'."""
+    s = runtime16.session(None)
+    try:
+        n = len(s.tokens)
+        for chunk in s.stream("Name a color.", max_tokens=1):
+            first = chunk.token
+            break
+        assert s.running is None and s.tokens[n:] and first in s.tokens[n:]
+        s.rewind(len(s.tokens) - n)
+        assert s.generate("Name a color.", max_tokens=1).tokens == [first]
+    finally:
+        s.close()
