@@ -140,24 +140,27 @@ def agent(
 
     import justfit
     from justfit.grammar import ll_tokenizer
-    from justfit.models import backend
+    from justfit.models import backend, resolve
     from justfit.models.vocab import vocab_size
 
+    from .scratch import scratch_home
+
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    rt = justfit.Runtime(model=model, kv=justfit.KVConfig(bits=kv_bits))
-    ll_tokenizer(rt.tokenizer, vocab_size(rt.model))  # built once per process: not part of any step
-    rt.generate("Hi", max_tokens=4)  # warm-up
-    log("justfit agent ...")
-    rows, work, wall = _justfit(rt, steps, guide_repeat)
-    walls = {"justfit": wall}
-    rt.ensure_resident()  # mlx-lm calls rt.model itself: the weights the agent's tool phases released come back
-    for reuse in (False, True):
-        log(f"mlx-lm {'prompt cache' if reuse else 're-prefill'} ...")
-        with mlx_lm_layout(rt.model):  # the weights as mlx_lm.load lays them out
-            r, w = _mlx_lm(rt.model, work, reuse)
-        rows += r
-        walls[r[0]["system"]] = w
-    totals = _totals(rows, walls)
+    with scratch_home("justfit-bench-agent-home-") as home:  # no prefix stored by an earlier run is reused
+        rt = justfit.Runtime(model=resolve(model), kv=justfit.KVConfig(bits=kv_bits), home=home)
+        ll_tokenizer(rt.tokenizer, vocab_size(rt.model))  # built once per process: not part of any step
+        rt.generate("Hi", max_tokens=4)  # warm-up
+        log("justfit agent ...")
+        rows, work, wall = _justfit(rt, steps, guide_repeat)
+        walls = {"justfit": wall}
+        rt.ensure_resident()  # mlx-lm calls rt.model itself: the weights the agent's tool phases released come back
+        for reuse in (False, True):
+            log(f"mlx-lm {'prompt cache' if reuse else 're-prefill'} ...")
+            with mlx_lm_layout(rt.model):  # the weights as mlx_lm.load lays them out
+                r, w = _mlx_lm(rt.model, work, reuse)
+            rows += r
+            walls[r[0]["system"]] = w
+        totals = _totals(rows, walls)
     out = {"bench": "agent", "model": model, "backend": backend(),
            "versions": {"justfit": justfit.__version__, "mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
            "rows": rows, "totals": totals,

@@ -147,6 +147,18 @@ def _dtypes(rt, models) -> dict:
 
 
 def run(model_spec: str, rounds: int, max_tokens: int, context: int = 0, systems=SYSTEMS) -> dict:
+    """The bench, with justfit's Runtime on a scratch home: it reuses prefixes within this run (reported as
+    reused_tokens) but none that an earlier run stored."""
+    from justfit.models import resolve
+
+    from .scratch import scratch_home
+
+    folder = resolve(model_spec)
+    with scratch_home("justfit-bench-chat-") as home:
+        return _run(folder, home, rounds, max_tokens, context, systems)
+
+
+def _run(folder, home, rounds: int, max_tokens: int, context: int, systems) -> dict:
     import os
 
     import mlx.core as mx
@@ -155,7 +167,7 @@ def run(model_spec: str, rounds: int, max_tokens: int, context: int = 0, systems
     import justfit
     from justfit.models.load import backend
 
-    rt = justfit.Runtime(model_spec)
+    rt = justfit.Runtime(folder, home=home)
     tokenizer = rt.tokenizer
     models = _baselines(rt.model.justfit_path, systems)
     dtypes = _dtypes(rt, models)
@@ -190,12 +202,13 @@ def run(model_spec: str, rounds: int, max_tokens: int, context: int = 0, systems
         row.update(bandwidth.columns(bandwidth.weight_bytes(model), bandwidth.kv_bytes_per_token(model, kv_elem),
                                      context, row["decode_tok_s"], stream_bw))
         rows.append(row)
-    return {"bench": "chat", "model": getattr(rt.model, "justfit_path", model_spec), "backend": backend(),
+    return {"bench": "chat", "model": getattr(rt.model, "justfit_path", str(folder)), "backend": backend(),
             "versions": {"justfit": justfit.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
             "default_kv": vars(rt.kv), "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
             "context": context,
             "notes": {"timing": f"median of {rounds} interleaved rounds, fresh prompt per round, greedy, _min/_max",
-                      "justfit": "Runtime.stream(prompt): the path of `justfit chat` (default KVConfig, prefix reuse on)",
+                      "justfit": "Runtime.stream(prompt): the path of `justfit chat` (default KVConfig, prefix reuse on, "
+                                 "on a scratch home: no prefix stored by an earlier run)",
                       "mlx-lm": "mlx_lm.stream_generate on the same token ids, its default KVCache, a float32 copy of "
                                 "the weights in mlx-lm's layout (W [out, in])",
                       "mlx-lm-quantized": "mlx_lm.stream_generate on mlx_lm.load's own model (the folder's weights)",

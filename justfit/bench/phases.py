@@ -218,16 +218,16 @@ def phases(
 
     from .. import __version__
     from ..models import backend
-    import tempfile
-
     from ..models import resolve
+    from .scratch import scratch_home
 
-    folder, home = resolve(model), tempfile.mkdtemp(prefix="justfit-bench-phases-")
+    folder = resolve(model)
     rows = []
-    for w in workloads.split(","):
-        for system, drafter in (("mlx-lm-prompt-cache", "none"), ("justfit", "none"), ("justfit", "prompt-lookup")):
-            print(f"[phases] {w}: {system} drafter={drafter} (own process)", file=sys.stderr)
-            rows += _run_child(system, w, drafter, tokens, tool_mb, tool_s, folder, home)
+    with scratch_home("justfit-bench-phases-") as home:
+        for w in workloads.split(","):
+            for system, drafter in (("mlx-lm-prompt-cache", "none"), ("justfit", "none"), ("justfit", "prompt-lookup")):
+                print(f"[phases] {w}: {system} drafter={drafter} (own process)", file=sys.stderr)
+                rows += _run_child(system, w, drafter, tokens, tool_mb, tool_s, folder, str(home))
     out = {"bench": "phases", "model": model, "backend": backend(),
            "versions": {"justfit": __version__, "mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
            "rows": rows}

@@ -21,7 +21,8 @@ from typing import List, Optional
 import typer
 
 from .serve_apis import APIS
-from .serve_trace import Server, _log, run_phase, scratch_home, trace
+from .scratch import scratch_home
+from .serve_trace import Server, _log, run_phase, trace
 from .stats import percentile, spread
 
 

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import List
 
-from .serve_trace import SYSTEM, Server, _log, scratch_home, tool_result
+from .scratch import scratch_home
+from .serve_trace import SYSTEM, Server, _log, tool_result
 from .serve_apis import one_request
 from .stats import percentile, spread
 

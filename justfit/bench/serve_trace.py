@@ -5,14 +5,11 @@ server subprocess (`justfit serve` or `mlx_lm.server`) on a free loopback port, 
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional
 
@@ -25,19 +22,6 @@ SYSTEM = ("You are a coding agent in a sandboxed repository. Read files before e
 
 def _log(msg: str):
     print(msg, file=sys.stderr, flush=True)
-
-
-@contextmanager
-def scratch_home(prefix: str):
-    """A temporary JUSTFIT_HOME for one round's servers (their stores grow by the model's pages, ~170 MB for
-    the default model), removed after the round; kept when the round fails, so its server logs can be read."""
-    home = Path(tempfile.mkdtemp(prefix=prefix))
-    try:
-        yield home
-    except BaseException:
-        _log(f"kept {home} (its *.log files are the servers' logs)")
-        raise
-    shutil.rmtree(home, ignore_errors=True)
 
 
 def _free_port() -> int:

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -277,26 +276,11 @@ def _restore_reprefill(rt, name):
             "restore_s": time.perf_counter() - t0, "note": "re-prefill of the same history"}
 
 
-def sessions(
-    model: str = typer.Option("default", "--model", "-m", help="Model spec (as for `justfit chat`)."),
-    system_tokens: int = typer.Option(4096, "--system-tokens", help="Approximate system prompt + tools size."),
-    turns: int = typer.Option(3, "--turns", min=1, help="User turns after the system prompt."),
-    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds of the next-turn and restart rows."),
-    reply_tokens: int = typer.Option(16, "--reply-tokens", min=1, help="Most tokens per reply."),
-    kv_bits: int = typer.Option(4, "--kv-bits", help="JustFit KV bits (4, 8, 16)."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-):
-    """Multi-turn agent sessions: next-turn TTFT, checkpoint cost, forks and restart vs mlx-lm."""
-    from importlib.metadata import version
-
-    import mlx.core as mx
+def _measure(folder, home: Path, system_tokens: int, turns: int, rounds: int, reply_tokens: int, kv_bits: int):
+    """Every row of the bench: the turns, next-turn rounds, forks and restarts, over `home`."""
+    import justfit  # first: it picks the BLAS MLX runs on
     from mlx_lm.models.cache import save_prompt_cache
 
-    import justfit
-    from justfit.models import backend, resolve
-
-    folder = resolve(model)
-    home = Path(tempfile.mkdtemp(prefix="justfit-bench-sessions-"))
     rt = justfit.Runtime(model=folder, kv=justfit.KVConfig(bits=kv_bits), home=home)
     tok = rt.tokenizer
     system = system_prompt(tok, system_tokens)
@@ -336,6 +320,29 @@ def sessions(
     _log("restart: resuming in a new process")
     next_msg = user_message(tok, turns, 48)
     rows += _restart_rows(folder, home, "bench", kv_bits, cache_file, next_msg, reply_tokens, rounds)
+    return rows
+
+
+def sessions(
+    model: str = typer.Option("default", "--model", "-m", help="Model spec (as for `justfit chat`)."),
+    system_tokens: int = typer.Option(4096, "--system-tokens", help="Approximate system prompt + tools size."),
+    turns: int = typer.Option(3, "--turns", min=1, help="User turns after the system prompt."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds of the next-turn and restart rows."),
+    reply_tokens: int = typer.Option(16, "--reply-tokens", min=1, help="Most tokens per reply."),
+    kv_bits: int = typer.Option(4, "--kv-bits", help="JustFit KV bits (4, 8, 16)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+):
+    """Multi-turn agent sessions: next-turn TTFT, checkpoint cost, forks and restart vs mlx-lm."""
+    from importlib.metadata import version
+
+    import justfit
+    from justfit.models import backend, resolve
+
+    from .scratch import scratch_home
+
+    folder = resolve(model)
+    with scratch_home("justfit-bench-sessions-") as home:
+        rows = _measure(folder, home, system_tokens, turns, rounds, reply_tokens, kv_bits)
     out = {"bench": "sessions", "model": str(model), "backend": backend(),
            "versions": {"justfit": justfit.__version__, "mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
            "rows": rows, "summary": summarize(rows)}
@@ -345,7 +352,6 @@ def sessions(
         for r in rows:
             typer.echo(json.dumps(r))
         typer.echo(json.dumps(out["summary"], indent=1))
-    del mx
 
 
 def summarize(rows) -> dict:

@@ -3,7 +3,7 @@ default model), so the home goes once the round is done, and stays, named, when 
 
 import pytest
 
-from justfit.bench.serve_trace import scratch_home
+from justfit.bench.scratch import scratch_home
 
 
 def test_a_finished_rounds_home_is_removed():
