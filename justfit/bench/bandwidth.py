@@ -29,6 +29,17 @@ def stream_read_bandwidth(reps: int = 5) -> float:
     return STREAM_BYTES / best
 
 
+def compute_dtype(model):
+    """The dtype the model computes in, and mlx-lm's KVCache stores K/V in: its embedding's output dtype
+    (float32 on a CPU, whatever the weights are stored in)."""
+    import mlx.core as mx
+
+    try:
+        return model.model.embed_tokens(mx.array([[0]])).dtype
+    except (AttributeError, TypeError, ValueError):
+        return mx.float32
+
+
 def weight_bytes(model) -> int:
     """Bytes of the model's parameters as held (quantized words, scales and biases included)."""
     from mlx.utils import tree_flatten

@@ -105,16 +105,6 @@ def _mlx_lm(model, tokenizer, ids, max_tokens):
             "reused_tokens": 0}
 
 
-def _activation_dtype(model):
-    """The dtype the model computes (and mlx-lm's KVCache stores) in: its embedding's output dtype."""
-    import mlx.core as mx
-
-    try:
-        return model.model.embed_tokens(mx.array([[0]])).dtype
-    except (AttributeError, TypeError, ValueError):
-        return mx.float32
-
-
 def _baselines(path, systems):
     """{name: model} of the mlx-lm systems asked for: a float32 copy in mlx-lm's layout, and mlx_lm.load's
     own model."""
@@ -136,12 +126,12 @@ def _baselines(path, systems):
 def _dtypes(rt, models) -> dict:
     """{system: (weights, kv, kv bytes per element)}: what each row actually ran."""
     kv = rt.kv
-    justfit_kv = (f"{kv.bits}-bit {kv.format}" if kv.bits < 16 else str(_activation_dtype(rt.model)).split(".")[-1])
-    kv_elem = kv.bits / 8 + 4 / kv.group_size if kv.bits < 16 else _activation_dtype(rt.model).size
+    justfit_kv = (f"{kv.bits}-bit {kv.format}" if kv.bits < 16 else str(bandwidth.compute_dtype(rt.model)).split(".")[-1])
+    kv_elem = kv.bits / 8 + 4 / kv.group_size if kv.bits < 16 else bandwidth.compute_dtype(rt.model).size
     weights = "as stored + qmm.c" if getattr(rt.model, "justfit_weights", "") == "quantized" else "float32"
     out = {"justfit": (weights, justfit_kv, kv_elem)}
     for name, m in models.items():
-        dt = _activation_dtype(m)
+        dt = bandwidth.compute_dtype(m)
         out[name] = ("float32" if name == "mlx-lm" else "as stored", str(dt).split(".")[-1], dt.size)
     return out
 

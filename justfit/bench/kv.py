@@ -22,6 +22,7 @@ from typing import Optional
 
 import typer
 
+from . import bandwidth
 from .baseline import layout_for
 from .stats import spread
 
@@ -228,7 +229,20 @@ def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
                              "workspace_probe_contexts": list(probe), "workspace_measured_in_search": measured,
                              "positions_per_gib": lo * (1 << 30) / budget})
                 _log(f"kv: capacity {name} @ {budget / 2**20:.0f} MiB: {lo} positions")
+                if name == "mlx-lm-fp16" and bandwidth.compute_dtype(model).size == 4:
+                    rows.append(_sixteen_bit_row(rows[-1], n_layers, per_position, fixed, work, probe))
     return rows
+
+
+def _sixteen_bit_row(row: dict, n_layers: int, per_position: float, fixed: float, work, probe) -> dict:
+    """mlx-lm's float KVCache as a 16-bit model holds it: the float32 row's KV bytes halved (arithmetic)."""
+    kv_need = _kv_need(n_layers, per_position / 2, fixed / 2)
+    budget = row["budget_bytes"]
+    lo = _longest(_with_workspace(kv_need, work, probe), budget)
+    return {**row, "system": "mlx-lm-16bit", "derived_from": "mlx-lm-fp16", "capacity_positions": lo,
+            "kv_only_positions": _longest(kv_need, budget), "kv_bytes_per_position": n_layers * per_position / 2,
+            "kv_fixed_bytes": n_layers * fixed / 2, "workspace_measured_in_search": False,
+            "positions_per_gib": lo * (1 << 30) / budget}
 
 
 def _measured_need(model, make, kv_need):
@@ -313,12 +327,16 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
 
     model, tokenizer = justfit.load(model_spec)
     load_start = _load()
+    stream_bw = bandwidth.stream_read_bandwidth() if contexts else None
+    weights = bandwidth.weight_bytes(model)
     rows = []
     for ctx in contexts:
         for r in decode_rows(model, systems, ctx, steps, rounds):
+            r.update(bandwidth.columns(weights, r["kv_bytes"] / ctx, ctx, r["decode_tok_s"], stream_bw))
             rows.append(r)
             _log(f"kv: decode {r['system']} ctx {ctx}: {r['decode_tok_s']:.2f} tok/s "
-                 f"[{r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}], kv {r['kv_bytes'] / 2**20:.1f} MiB")
+                 f"[{r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}], kv {r['kv_bytes'] / 2**20:.1f} MiB, "
+                 f"{r['bandwidth_pct']:.0f}% of bandwidth")
         layers = None if ctx <= full_prefill_max else prefill_layers
         for r in prefill_rows(model, systems, ctx, rounds, layers):
             rows.append(r)
@@ -347,6 +365,12 @@ def run(model_spec: str, contexts, steps: int, rounds: int, full_prefill_max: in
                         "layer whose hidden states are evaluated so its attention runs: the larger probe when bounded, else "
                         "linear through both probes from the first on; below the first probe measured by a real prefill at each "
                         "step of the search, workspace_measured_in_search) fit budget_bytes; kv_only_positions: KV alone",
+            "bandwidth": "decode rows: bytes_per_token = the weights as held + the row's KV bytes (each step reads "
+                         "both); bandwidth_pct = decode tok/s x bytes_per_token over a 256 MiB streaming read "
+                         "measured in this run (bench/bandwidth.py)",
+            "mlx-lm-16bit": "capacity rows derived from mlx-lm-fp16's when the model computes in float32 (a CPU): "
+                            "its KV bytes per position halved, as mlx-lm's KVCache holds them for a 16-bit model "
+                            "(a Mac); the workspace is mlx-lm-fp16's",
             "quality": "see kv_quality.py: teacher-forced replay of fp16 greedy trajectories through each cache",
             "mlx-lm-fp16": "mlx-lm KVCache in the model's compute dtype (float32 on CPU)",
             "layout": "mlx-lm rows run the weights in mlx-lm's layout (W [out, in]), justfit rows in JustFit's "
@@ -430,7 +454,8 @@ def kv(
     for r in result["rows"]:
         if r["kind"] == "decode":
             print(f"decode   {r['system']:20s} ctx {r['context']:6d}  {r['decode_tok_s']:7.2f} tok/s "
-                  f"[{r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}]  kv {r['kv_bytes'] / 2**20:8.1f} MiB")
+                  f"[{r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}]  kv {r['kv_bytes'] / 2**20:8.1f} MiB  "
+                  f"{r['bandwidth_pct']:5.1f}% of bandwidth")
         elif r["kind"] == "prefill":
             print(f"prefill  {r['system']:20s} ctx {r['context']:6d}  {r['prefill_tok_s']:7.1f} tok/s "
                   f"[{r['prefill_tok_s_min']:.1f}-{r['prefill_tok_s_max']:.1f}]  peak {r['peak_memory_bytes'] / 2**20:7.0f} MiB"

@@ -34,10 +34,14 @@ def test_bench_json_rows(monkeypatch, capsys):
     decode = {r["system"]: r for r in out["rows"] if r["kind"] == "decode"}
     prefill = {r["system"]: r for r in out["rows"] if r["kind"] == "prefill"}
     capacity = {r["system"]: r for r in out["rows"] if r["kind"] == "capacity"}
-    assert set(decode) == set(prefill) == set(capacity) == set(SYSTEMS)
+    assert set(decode) == set(prefill) == set(SYSTEMS) and set(capacity) == set(SYSTEMS) | {"mlx-lm-16bit"}
     for r in decode.values():
         assert r["context"] == 300 and r["rounds"] == 3
         assert 0 < r["decode_tok_s_min"] <= r["decode_tok_s"] <= r["decode_tok_s_max"]
+        assert r["bytes_per_token"] > r["kv_bytes"] and 0 < r["bandwidth_pct"] and r["stream_bandwidth_bytes_s"] > 0
+    sixteen, fp = capacity["mlx-lm-16bit"], capacity["mlx-lm-fp16"]  # the model computes in float32 here
+    assert sixteen["kv_bytes_per_position"] * 2 == fp["kv_bytes_per_position"]
+    assert fp["capacity_positions"] < sixteen["capacity_positions"] < 2 * fp["capacity_positions"] + 2
     for r in prefill.values():
         assert r["prefill_layers"] == 1 and r["peak_memory_bytes"] > 0  # 300 > full_prefill_max: cut model
         assert 0 < r["prefill_tok_s_min"] <= r["prefill_tok_s"] <= r["prefill_tok_s_max"]
@@ -115,10 +119,10 @@ def test_capacity_arithmetic_interpolates_a_growing_workspace():
 def test_capacity_below_the_probes_is_searched_on_measured_workspaces():
     model = _tiny()
     probe = (1024, 2048)
-    (wide,) = bench_kv.capacity_rows(model, ["mlx-lm-fp16"], [1 << 40], probe)
+    wide = bench_kv.capacity_rows(model, ["mlx-lm-fp16"], [1 << 40], probe)[0]  # then its derived 16-bit row
     assert not wide["workspace_measured_in_search"]
     budget = wide["workspace_bytes_at_probe"][0] // 2  # less than the first probe's workspace alone
-    (row,) = bench_kv.capacity_rows(model, ["mlx-lm-fp16"], [budget], probe)
+    row = bench_kv.capacity_rows(model, ["mlx-lm-fp16"], [budget], probe)[0]
     n = row["capacity_positions"]
     assert row["workspace_measured_in_search"] and 0 < n < probe[0]
     make = bench_kv._factory("mlx-lm-fp16", model)
