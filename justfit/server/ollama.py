@@ -94,17 +94,26 @@ def chat_messages(body: ChatBody) -> List[dict]:
 class Turn:
     """One reply's timing and counts, for Ollama's closing fields (durations in nanoseconds)."""
 
-    def __init__(self, srv, n_prompt: int):
-        self.srv, self.n_prompt, self.start = srv, n_prompt, time.perf_counter()
+    def __init__(self, srv, n_prompt: int, load_s: float = 0.0):
+        self.srv, self.n_prompt, self.load_s, self.start = srv, n_prompt, load_s, time.perf_counter()
 
     def closing(self, call, stats: dict) -> dict:
         total = time.perf_counter() - self.start
         first = min(total, stats.get("ttft_s", 0.0))  # from submission: queue, prefill, first token
         reason = "length" if call is None and stats.get("finish_reason") == "length" else "stop"
-        return {"done": True, "done_reason": reason, "total_duration": int(total * 1e9),
-                "load_duration": int(stats.get("reload_s", 0.0) * 1e9), "prompt_eval_count": self.n_prompt,
+        load = self.load_s + stats.get("reload_s", 0.0)  # loaded for it, or its weights brought back
+        return {"done": True, "done_reason": reason, "total_duration": int((total + self.load_s) * 1e9),
+                "load_duration": int(load * 1e9), "prompt_eval_count": self.n_prompt,
                 "prompt_eval_duration": int(max(0.0, first - stats.get("queue_s", 0.0)) * 1e9),
                 "eval_count": stats.get("generated_tokens", 0), "eval_duration": int((total - first) * 1e9)}
+
+
+async def _resident(server, srv):
+    """(the model a request names, made resident for it; seconds of the load it waited for, 0 when the model
+    was loaded already): Ollama's load_duration, also part of its total_duration."""
+    start, was = time.perf_counter(), srv.loaded
+    srv = await server.use(srv.model_id)
+    return srv, 0.0 if was else time.perf_counter() - start
 
 
 def _head(srv) -> dict:
@@ -118,12 +127,12 @@ async def chat(request: Request):
     srv = _find(server, body.model)
     if not body.messages:
         return await _load(server, srv, body, {"message": {"role": "assistant", "content": ""}})
-    srv = await server.use(srv.model_id)
+    srv, load_s = await _resident(server, srv)
     _keep_alive(srv, body)
     req = engine_request(srv.model_id, chat_messages(body), body, body.tools)
     ids, tools, syntax, grammar = prompts.chat_prompt(srv.rt, req)
     job = srv.submit(req, ids, budget(srv, body.options, len(ids)), grammar)
-    reply, turn = Reply(syntax, bool(tools)), Turn(srv, len(ids))
+    reply, turn = Reply(syntax, bool(tools)), Turn(srv, len(ids), load_s)
 
     async def lines():
         async for kind, value in run_job(job, reply, request):
@@ -153,7 +162,7 @@ async def generate(request: Request):
             raise APIError(400, f"{field} is not supported by JustFit (see API.md, Ollama)")
     if not body.prompt:
         return await _load(server, srv, body, {"response": ""})
-    srv = await server.use(srv.model_id)
+    srv, load_s = await _resident(server, srv)
     _keep_alive(srv, body)
     messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
                [{"role": "user", "content": body.prompt}]
@@ -164,7 +173,7 @@ async def generate(request: Request):
     else:
         ids, _, _, grammar = prompts.chat_prompt(srv.rt, req)
     job = srv.submit(req, ids, budget(srv, body.options, len(ids)), grammar)
-    reply, turn = Reply(), Turn(srv, len(ids))
+    reply, turn = Reply(), Turn(srv, len(ids), load_s)
 
     async def lines():
         async for kind, value in run_job(job, reply, request):

@@ -133,3 +133,12 @@ def test_unload_and_load_endpoints(pooled):
     r = pooled.http.post("/justfit/models/tiny-llama/unload")
     assert r.json() == {"model": "tiny-llama", "unloaded": True}
     assert pooled.http.post("/justfit/models/nope/unload").status_code == 404
+
+
+def test_ollama_load_duration_is_the_load_a_request_waited_for(pooled):
+    pooled.http.post("/api/generate", json={"model": "tiny-llama", "prompt": "", "keep_alive": 0})
+    body = {"model": "tiny-llama", "prompt": "Hi", "stream": False, "options": {"num_predict": 2, "temperature": 0}}
+    first = pooled.http.post("/api/generate", json=body).json()
+    assert first["load_duration"] > 1e6 and first["total_duration"] > first["load_duration"], first  # loaded for it
+    again = pooled.http.post("/api/generate", json=body).json()
+    assert again["load_duration"] < first["load_duration"] / 10, again  # resident already
