@@ -152,3 +152,25 @@ def test_info_shows_the_measured_choices(tmp_path):
     assert r.exit_code == 0, r.output
     if mx.default_device() == mx.cpu:
         assert "cpu tuning" in r.output and str(tmp_path / "tuning") in r.output.replace("\n", "")
+
+
+def test_prepared_pointers_follow_the_arrays_not_their_ids():
+    """A weight list's job rows are kept between calls, but only while its very arrays live: new weights
+    (whose ids Python may hand out again) are never computed through an old array's pointers, and the
+    kept rows hold no reference that would stop a PhaseSwap release from freeing the weights."""
+    import gc
+    import weakref
+
+    _needs_kernel()
+    x = mx.random.normal((1, 256))
+    for seed in range(12):
+        mx.random.seed(seed)
+        w, s, b = mx.quantize(mx.random.normal((96, 256)), group_size=64, bits=4)
+        mx.eval(w, s, b)
+        for _ in range(2):  # the second call takes the kept rows
+            (y,) = qmm.matmul(x, [(w, s, b, 64, 4)], qmm.runnable_variants()[0], 1)
+            assert mx.allclose(y, _reference(x, w, s, b, 64, 4), atol=1e-3, rtol=1e-3)
+        gone = weakref.ref(w)
+        del w, s, b
+        gc.collect()
+        assert gone() is None  # nothing in qmm keeps the weights alive
