@@ -188,9 +188,9 @@ def _run(folder, home, rounds: int, max_tokens: int, context: int, systems) -> d
         for key in ("ttft_s", "decode_tok_s", "peak_memory_bytes"):
             row.update(spread(key, [x[key] for x in rs]))
         model = rt.model if name == "justfit" else models[name]
-        context = row["prompt_tokens"] + row["generated_tokens"] / 2
+        mean_context = row["prompt_tokens"] + row["generated_tokens"] / 2
         row.update(bandwidth.columns(bandwidth.weight_bytes(model), bandwidth.kv_bytes_per_token(model, kv_elem),
-                                     context, row["decode_tok_s"], stream_bw))
+                                     mean_context, row["decode_tok_s"], stream_bw))
         rows.append(row)
     return {"bench": "chat", "model": getattr(rt.model, "justfit_path", str(folder)), "backend": backend(),
             "versions": {"justfit": justfit.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},

@@ -45,7 +45,7 @@ def test_bench_chat_quick_on_default_model(capsys):
                     quick=True, json_out=True)
     out = json.loads(capsys.readouterr().out)
     rows = {r["system"]: r for r in out["rows"]}
-    assert out["bench"] == "chat" and set(rows) == {"justfit", "mlx-lm", "mlx-lm-quantized"}
+    assert out["bench"] == "chat" and out["context"] == 0 and set(rows) == {"justfit", "mlx-lm", "mlx-lm-quantized"}
     assert rows["mlx-lm"]["weights"] == "float32" and rows["mlx-lm-quantized"]["weights"] == "as stored"
     for r in rows.values():
         assert r["bytes_per_token"] > 50 << 20 and 0 < r["bandwidth_pct"] < 200 and r["kv"]
