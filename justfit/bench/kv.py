@@ -230,18 +230,22 @@ def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
                              "positions_per_gib": lo * (1 << 30) / budget})
                 _log(f"kv: capacity {name} @ {budget / 2**20:.0f} MiB: {lo} positions")
                 if name == "mlx-lm-fp16" and bandwidth.compute_dtype(model).size == 4:
-                    rows.append(_sixteen_bit_row(rows[-1], n_layers, per_position, fixed, work, probe))
+                    rows.append(_sixteen_bit_row(rows[-1], n_layers, per_position, fixed, work, probe,
+                                                 lambda need, make=make: _measured_need(model, make, need)))
     return rows
 
 
-def _sixteen_bit_row(row: dict, n_layers: int, per_position: float, fixed: float, work, probe) -> dict:
-    """mlx-lm's float KVCache as a 16-bit model holds it: the float32 row's KV bytes halved (arithmetic)."""
+def _sixteen_bit_row(row: dict, n_layers: int, per_position: float, fixed: float, work, probe, measured) -> dict:
+    """mlx-lm's float KVCache as a 16-bit model holds it: the float32 row's KV bytes halved (arithmetic), with
+    the float32 row's workspace (`measured(kv_need)`: the search on real prefills below the probes)."""
     kv_need = _kv_need(n_layers, per_position / 2, fixed / 2)
     budget = row["budget_bytes"]
-    lo = _longest(_with_workspace(kv_need, work, probe), budget)
+    lo, searched = _longest(_with_workspace(kv_need, work, probe), budget), False
+    if lo < probe[0]:
+        lo, searched = _longest(measured(kv_need), budget, hi=probe[0]), True
     return {**row, "system": "mlx-lm-16bit", "derived_from": "mlx-lm-fp16", "capacity_positions": lo,
             "kv_only_positions": _longest(kv_need, budget), "kv_bytes_per_position": n_layers * per_position / 2,
-            "kv_fixed_bytes": n_layers * fixed / 2, "workspace_measured_in_search": False,
+            "kv_fixed_bytes": n_layers * fixed / 2, "workspace_measured_in_search": searched,
             "positions_per_gib": lo * (1 << 30) / budget}
 
 

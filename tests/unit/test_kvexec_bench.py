@@ -122,8 +122,9 @@ def test_capacity_below_the_probes_is_searched_on_measured_workspaces():
     wide = bench_kv.capacity_rows(model, ["mlx-lm-fp16"], [1 << 40], probe)[0]  # then its derived 16-bit row
     assert not wide["workspace_measured_in_search"]
     budget = wide["workspace_bytes_at_probe"][0] // 2  # less than the first probe's workspace alone
-    row = bench_kv.capacity_rows(model, ["mlx-lm-fp16"], [budget], probe)[0]
+    row, sixteen = bench_kv.capacity_rows(model, ["mlx-lm-fp16"], [budget], probe)
     n = row["capacity_positions"]
+    assert sixteen["workspace_measured_in_search"] and n <= sixteen["capacity_positions"] < probe[0]
     assert row["workspace_measured_in_search"] and 0 < n < probe[0]
     make = bench_kv._factory("mlx-lm-fp16", model)
     kv = lambda m: wide["kv_bytes_per_position"] * m + wide["kv_fixed_bytes"]  # noqa: E731
