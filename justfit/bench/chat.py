@@ -125,9 +125,9 @@ def _baselines(path, systems):
 
 def _dtypes(rt, models) -> dict:
     """{system: (weights, kv, kv bytes per element)}: what each row actually ran."""
-    kv = rt.kv
-    justfit_kv = (f"{kv.bits}-bit {kv.format}" if kv.bits < 16 else str(bandwidth.compute_dtype(rt.model)).split(".")[-1])
-    kv_elem = kv.bits / 8 + 4 / kv.group_size if kv.bits < 16 else bandwidth.compute_dtype(rt.model).size
+    kv, dt = rt.kv, bandwidth.compute_dtype(rt.model)
+    justfit_kv = f"{kv.bits}-bit {kv.format}" if kv.bits < 16 else str(dt).split(".")[-1]
+    kv_elem = kv.bits / 8 + 4 / kv.group_size if kv.bits < 16 else dt.size
     weights = "as stored + qmm.c" if getattr(rt.model, "justfit_weights", "") == "quantized" else "float32"
     out = {"justfit": (weights, justfit_kv, kv_elem)}
     for name, m in models.items():

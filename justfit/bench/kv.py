@@ -206,6 +206,7 @@ def prefill_rows(model, systems, context: int, rounds: int, layers: Optional[int
 def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
     """Longest context per system whose KV (full model) + attention workspace fits each budget (binary search)."""
     n_layers = len(model.layers)
+    float32_cache = bandwidth.compute_dtype(model).size == 4  # a CPU: mlx-lm-fp16 holds float32
     rows = []
     for name in systems:
         make = _factory(name, model)
@@ -214,39 +215,30 @@ def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
             kv_at = [_kv_bytes(model, make, ctx) for ctx in probe]
             per_position = (kv_at[1] - kv_at[0]) / (probe[1] - probe[0])
             fixed = kv_at[0] - per_position * probe[0]
-            kv_need = _kv_need(n_layers, per_position, fixed)
-            need = _with_workspace(kv_need, work, probe)
             for budget in budgets:
-                lo, measured = _longest(need, budget), False
-                if lo < probe[0]:  # below the probes the workspace is not extrapolated: measure it at each step
-                    measure = _measured_need(model, make, kv_need)
-                    lo = _longest(measure, budget, hi=probe[0])
-                    measured = True
-                rows.append({"kind": "capacity", "system": name, "budget_bytes": int(budget), "capacity_positions": lo,
-                             "kv_only_positions": _longest(kv_need, budget),
-                             "kv_bytes_per_position": n_layers * per_position, "kv_fixed_bytes": n_layers * fixed,
-                             "workspace_bytes_at_probe": work,
-                             "workspace_probe_contexts": list(probe), "workspace_measured_in_search": measured,
-                             "positions_per_gib": lo * (1 << 30) / budget})
-                _log(f"kv: capacity {name} @ {budget / 2**20:.0f} MiB: {lo} positions")
-                if name == "mlx-lm-fp16" and bandwidth.compute_dtype(model).size == 4:
-                    rows.append(_sixteen_bit_row(rows[-1], n_layers, per_position, fixed, work, probe,
-                                                 lambda need, make=make: _measured_need(model, make, need)))
+                row = _capacity_row(name, model, make, n_layers, per_position, fixed, work, probe, budget)
+                rows.append(row)
+                _log(f"kv: capacity {name} @ {budget / 2**20:.0f} MiB: {row['capacity_positions']} positions")
+                if name == "mlx-lm-fp16" and float32_cache:
+                    # mlx-lm's float KVCache as a 16-bit model (a Mac) holds it: half the KV bytes, same workspace
+                    half = _capacity_row("mlx-lm-16bit", model, make, n_layers, per_position / 2, fixed / 2, work,
+                                         probe, budget)
+                    rows.append({**half, "derived_from": "mlx-lm-fp16"})
     return rows
 
 
-def _sixteen_bit_row(row: dict, n_layers: int, per_position: float, fixed: float, work, probe, measured) -> dict:
-    """mlx-lm's float KVCache as a 16-bit model holds it: the float32 row's KV bytes halved (arithmetic), with
-    the float32 row's workspace (`measured(kv_need)`: the search on real prefills below the probes)."""
-    kv_need = _kv_need(n_layers, per_position / 2, fixed / 2)
-    budget = row["budget_bytes"]
-    lo, searched = _longest(_with_workspace(kv_need, work, probe), budget), False
-    if lo < probe[0]:
-        lo, searched = _longest(measured(kv_need), budget, hi=probe[0]), True
-    return {**row, "system": "mlx-lm-16bit", "derived_from": "mlx-lm-fp16", "capacity_positions": lo,
-            "kv_only_positions": _longest(kv_need, budget), "kv_bytes_per_position": n_layers * per_position / 2,
-            "kv_fixed_bytes": n_layers * fixed / 2, "workspace_measured_in_search": searched,
-            "positions_per_gib": lo * (1 << 30) / budget}
+def _capacity_row(name, model, make, n_layers: int, per_position: float, fixed: float, work, probe, budget) -> dict:
+    """Longest context whose full-model KV (per layer: per_position bytes a position plus `fixed`) and prefill
+    workspace fit `budget`: extrapolated from the probes' workspaces, measured by real prefills below the
+    first probe."""
+    kv_need = _kv_need(n_layers, per_position, fixed)
+    lo, measured = _longest(_with_workspace(kv_need, work, probe), budget), False
+    if lo < probe[0]:  # below the probes the workspace is not extrapolated: measure it at each step
+        lo, measured = _longest(_measured_need(model, make, kv_need), budget, hi=probe[0]), True
+    return {"kind": "capacity", "system": name, "budget_bytes": int(budget), "capacity_positions": lo,
+            "kv_only_positions": _longest(kv_need, budget), "kv_bytes_per_position": n_layers * per_position,
+            "kv_fixed_bytes": n_layers * fixed, "workspace_bytes_at_probe": work, "workspace_probe_contexts": list(probe),
+            "workspace_measured_in_search": measured, "positions_per_gib": lo * (1 << 30) / budget}
 
 
 def _measured_need(model, make, kv_need):

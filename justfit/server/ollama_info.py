@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 
 from .errors import APIError
 from .ollama_schema import ShowBody, read_body
+from .prompts import DEFAULT_CONTEXT
 
 router = APIRouter()
 VERSION = "0.12.0"  # the Ollama API version whose shapes these routes follow
@@ -137,7 +138,7 @@ async def show(request: Request):
     check_model(srv, name)
     srv = srv.pool.find(name)
     _, _, config, params, modified = _info(srv)
-    context = srv.context or int(config.get("max_position_embeddings") or 8192)  # as prompts.context_length reads it
+    context = srv.context or int(config.get("max_position_embeddings") or DEFAULT_CONTEXT)  # as context_length reads it
     arch = config.get("model_type", "unknown")
     info = {"general.architecture": arch, "general.parameter_count": params, f"{arch}.context_length": context}
     for key, ours in (("embedding_length", "hidden_size"), ("block_count", "num_hidden_layers"),

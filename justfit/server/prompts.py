@@ -74,9 +74,12 @@ def max_new(req, context: int, n_prompt: int, default: int = DEFAULT_MAX_TOKENS)
     return asked or min(default, room)
 
 
+DEFAULT_CONTEXT = 8192  # a model whose config names no max_position_embeddings
+
+
 def context_length(rt) -> int:
     args = getattr(rt.model, "args", None)
-    return int(getattr(args, "max_position_embeddings", None) or 8192)
+    return int(getattr(args, "max_position_embeddings", None) or DEFAULT_CONTEXT)
 
 
 def chat_prompt(rt, req: ChatRequest):
