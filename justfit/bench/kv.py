@@ -215,35 +215,45 @@ def capacity_rows(model, systems, budgets, probe=(4096, 8192)):
             kv_at = [_kv_bytes(model, make, ctx) for ctx in probe]
             per_position = (kv_at[1] - kv_at[0]) / (probe[1] - probe[0])
             fixed = kv_at[0] - per_position * probe[0]
+            seen = {}  # workspace measured at n positions, shared by this system's searches (and its 16-bit row)
             for budget in budgets:
-                row = _capacity_row(name, model, make, n_layers, per_position, fixed, work, probe, budget)
+                row = _capacity_row(name, model, make, n_layers, per_position, fixed, work, probe, budget, seen)
                 rows.append(row)
                 _log(f"kv: capacity {name} @ {budget / 2**20:.0f} MiB: {row['capacity_positions']} positions")
                 if name == "mlx-lm-fp16" and float32_cache:
                     # mlx-lm's float KVCache as a 16-bit model (a Mac) holds it: half the KV bytes, same workspace
                     half = _capacity_row("mlx-lm-16bit", model, make, n_layers, per_position / 2, fixed / 2, work,
-                                         probe, budget)
+                                         probe, budget, seen)
                     rows.append({**half, "derived_from": "mlx-lm-fp16"})
     return rows
 
 
-def _capacity_row(name, model, make, n_layers: int, per_position: float, fixed: float, work, probe, budget) -> dict:
+def _capacity_row(name, model, make, n_layers: int, per_position: float, fixed: float, work, probe, budget,
+                  seen: dict) -> dict:
     """Longest context whose full-model KV (per layer: per_position bytes a position plus `fixed`) and prefill
     workspace fit `budget`: extrapolated from the probes' workspaces, measured by real prefills below the
-    first probe."""
+    first probe (each length once: `seen` keeps them, so rows that share a cache factory search the same
+    workspaces and a smaller KV never finds a shorter context)."""
     kv_need = _kv_need(n_layers, per_position, fixed)
     lo, measured = _longest(_with_workspace(kv_need, work, probe), budget), False
     if lo < probe[0]:  # below the probes the workspace is not extrapolated: measure it at each step
-        lo, measured = _longest(_measured_need(model, make, kv_need), budget, hi=probe[0]), True
+        lo, measured = _longest(_measured_need(model, make, kv_need, seen), budget, hi=probe[0]), True
     return {"kind": "capacity", "system": name, "budget_bytes": int(budget), "capacity_positions": lo,
             "kv_only_positions": _longest(kv_need, budget), "kv_bytes_per_position": n_layers * per_position,
             "kv_fixed_bytes": n_layers * fixed, "workspace_bytes_at_probe": work, "workspace_probe_contexts": list(probe),
             "workspace_measured_in_search": measured, "positions_per_gib": lo * (1 << 30) / budget}
 
 
-def _measured_need(model, make, kv_need):
-    """KV bytes plus the workspace of a real one-layer prefill at n positions (within a one-layer cut)."""
-    return lambda n: kv_need(n) + _workspace(model, make, n)
+def _measured_need(model, make, kv_need, seen: dict):
+    """KV bytes plus the workspace of a real one-layer prefill at n positions (within a one-layer cut),
+    measured once per n."""
+
+    def need(n):
+        if n not in seen:
+            seen[n] = _workspace(model, make, n)
+        return kv_need(n) + seen[n]
+
+    return need
 
 
 def _workspace(model, make, ctx: int) -> int:

@@ -74,9 +74,9 @@ def test_a_partial_sealed_page_and_a_short_context_take_the_mlx_path():
     assert decode.kernel_attention(q2, short, 0.125) is None
 
 
-def test_default_model_decodes_the_same_tokens(runtime16, monkeypatch):
-    runtime16.phaseswap.enter("decode")
-    model = runtime16.model
+def test_default_model_decodes_the_same_tokens(shallow, monkeypatch):
+    shallow.phaseswap.enter("decode")
+    model = shallow.model
     ids = [int(i) for i in np.random.default_rng(3).integers(100, 40000, 1100)]  # several sealed 4-bit pages
 
     def greedy(n=8):
@@ -153,7 +153,7 @@ def test_batched_decode_equals_the_mlx_path_and_reads_each_sequence_alone():
     assert decode.kernel_attention_batch(q5, caches + [short], 0.125) is None
 
 
-def test_batched_engine_decodes_through_the_kernel_with_no_float_copies(runtime16):
+def test_batched_engine_decodes_through_the_kernel_with_no_float_copies(shallow):
     """The scheduler's batched decode on the default config: once every decoder has a sealed 4-bit page, each
     layer of each batched step is one kernel call, no float copy of a page is kept, and each request's tokens
     are what its sequence alone picks when fed the same tokens (caches in batched mode from the start, as
@@ -162,9 +162,9 @@ def test_batched_engine_decodes_through_the_kernel_with_no_float_copies(runtime1
     from justfit.kvexec.batch import memo_nbytes
     from justfit.engine import Engine
 
-    model, kv, rng = runtime16.model, KVConfig(), np.random.default_rng(11)
+    model, kv, rng = shallow.model, KVConfig(), np.random.default_rng(11)
     ids = [[int(i) for i in rng.integers(100, 40000, n)] for n in (560, 610)]  # one sealed 4-bit page each
-    eng = Engine(model, runtime16.tokenizer, lambda: make_cache(model, kv), kv=kv)
+    eng = Engine(model, shallow.tokenizer, lambda: make_cache(model, kv), kv=kv)
     reqs = [eng.submit(p, max_tokens=6) for p in ids]
     before, kept = cpu.CALLS["decode"], 0
     while not all(r.done for r in reqs):
@@ -182,20 +182,20 @@ def test_batched_engine_decodes_through_the_kernel_with_no_float_copies(runtime1
             logits = model(mx.array([[t]]), cache=caches)[0, -1]
 
 
-def test_kernel_served_steps_publish_their_tokens_without_computing_the_next_pass(runtime16, monkeypatch):
+def test_kernel_served_steps_publish_their_tokens_without_computing_the_next_pass(shallow, monkeypatch):
     """Where the kernel serves batched decode, a step computes its own pass only: the kernel evaluates while a
     pass is built, so queueing the next one would compute it before this step's tokens are published (each a
     step late). After every step each running request's pages hold its prompt and all its tokens but the last
     published one, which the next pass feeds; without the kernel the next pass is queued (fed one more)."""
     from justfit.engine import Engine
 
-    model, kv, rng = runtime16.model, KVConfig(), np.random.default_rng(12)
+    model, kv, rng = shallow.model, KVConfig(), np.random.default_rng(12)
     prompts = [[int(i) for i in rng.integers(100, 40000, 530)] for _ in range(2)]  # one sealed 4-bit page each
 
     def ahead_of_published(env):
         """Per step, tokens each running request's caches hold beyond prompt + published - 1."""
         monkeypatch.setenv("JUSTFIT_CPU_KERNELS", env)  # restored after the test, whatever it was before
-        eng = Engine(model, runtime16.tokenizer, lambda: make_cache(model, kv), kv=kv)
+        eng = Engine(model, shallow.tokenizer, lambda: make_cache(model, kv), kv=kv)
         reqs, seen, before = [eng.submit(p, max_tokens=6) for p in prompts], set(), cpu.CALLS["decode"]
         while not all(r.done for r in reqs):
             eng.step()
@@ -208,17 +208,17 @@ def test_kernel_served_steps_publish_their_tokens_without_computing_the_next_pas
     assert calls == 0 and 1 in seen
 
 
-def test_generation_on_the_kernel_yields_each_token_before_feeding_it_and_feeds_it_on_close(runtime16):
+def test_generation_on_the_kernel_yields_each_token_before_feeding_it_and_feeds_it_on_close(shallow):
     """A lone request on caller-owned caches decoding through the kernel: each token is emitted as soon as it is
     read, before the step that feeds it (that step computes while it is built, so building it first would show
     the token a step late); a caller that stops early still leaves every token it saw in the cache."""
     from justfit.engine import Engine
 
-    model, L = runtime16.model, len(runtime16.model.layers)
+    model, L = shallow.model, len(shallow.model.layers)
     ids = [int(i) for i in np.random.default_rng(13).integers(100, 40000, 800)]  # a 4-bit page past the float one
     for stop_after in (5, None):
         cache, before, calls = make_cache(model, KVConfig()), cpu.CALLS["decode"], []
-        eng = Engine(model, runtime16.tokenizer, lambda: make_cache(model, KVConfig()), eos=set())
+        eng = Engine(model, shallow.tokenizer, lambda: make_cache(model, KVConfig()), eos=set())
         req = eng.submit(ids, 8, caches=cache)
         out = []
         for chunk in req:

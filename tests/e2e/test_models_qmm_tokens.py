@@ -10,7 +10,7 @@ from justfit.models import load, qlinear, qmm, tuning, weight_policy
 
 PROMPTS = ["The three largest rivers in Europe are", "To bake bread you first", "import numpy as np\n\ndef mean(",
            "My favourite season is autumn because", "Translate to French: good morning, friend."]
-STEPS = 24
+STEPS = 16
 
 
 def _greedy(model, tokenizer, prompt):

@@ -104,7 +104,7 @@ def test_run_probe_refines_around_the_transitions():
 
 def test_end_to_end_sweep_on_the_default_model(runtime16, tmp_path):
     """The real default model through the runtime on a small grid: valid files, budgets in order,
-    recomputing without a cache slower than decoding with one (a 128-token prompt makes every
+    recomputing without a cache slower than decoding with one (a 48-token prompt makes every
     cache-free step a real prefill, so the gap stands out of the noise of a busy machine)."""
     import csv
     import json
@@ -113,7 +113,7 @@ def test_end_to_end_sweep_on_the_default_model(runtime16, tmp_path):
     from justfit.probe.cli import run_probe, write_outputs
 
     be = RuntimeBackend(runtime16, "default")
-    grid = {"budgets": [4, 2], "contexts": [128], "kv": ["on", "off"], "warmup": 0, "repeats": 2, "step_runs": 1,
+    grid = {"budgets": [4, 2], "contexts": [48], "kv": ["on", "off"], "warmup": 0, "repeats": 2, "step_runs": 1,
             "seed": 42}
     rep = run_probe(be, grid, progress=lambda *a: None)
     write_outputs(rep, tmp_path, save_map=False)
