@@ -109,6 +109,7 @@ def chat(
     kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format (rotated needs --kv-bits 4)."),
     json: bool = typer.Option(False, "--json", help="Print one JSON object per reply (text, stats) instead of streamed text; for scripts."),
     stats: bool = typer.Option(False, "--stats", help="Also show resident components and the phase after each reply."),
+    models_dir: Optional[List[str]] = typer.Option(None, "--models-dir", metavar="DIR", help="Also serve every mlx-lm folder and .gguf file in this folder, by its name (a GGUF's file name without .gguf), each loaded on first use; a GGUF is converted into JUSTFIT_HOME/models the first time. Repeatable."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Small model with the same tokenizer for speculative decoding."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", envvar="JUSTFIT_MEMORY_BUDGET", help="Bytes, '4GB', or a fraction/percent of RAM."),
     avoid_regimes: bool = typer.Option(False, "--avoid-regimes", help="Steer decode budgets around latency cliffs in this device's `justfit probe` map."),
@@ -191,6 +192,8 @@ def serve(
     kv_bits: KVBits = typer.Option(KVBits.four, "--kv-bits", help="KV cache precision: 4, 8 or 16 (full)."),
     kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Bytes, '4GB', or a fraction/percent of RAM."),
+    models_dir: Optional[List[str]] = typer.Option(None, "--models-dir", metavar="DIR", help="Also serve every mlx-lm folder and .gguf file in this folder, by its name (a GGUF's file name without .gguf), each loaded on first use; a GGUF is converted into JUSTFIT_HOME/models the first time. Repeatable."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Small model with the first --model's tokenizer: it drafts tokens for that model's lone greedy requests (output unchanged), loads and unloads with it, and counts against --memory-budget as a part of it."),
     sessions_max_bytes: Optional[str] = typer.Option(None, "--sessions-max-bytes", metavar="SIZE", envvar="JUSTFIT_SESSIONS_MAX_BYTES", help="Disk quota for persisted sessions (e.g. 2GB): after a checkpoint over it, the least recently used unpinned sessions no process has open are removed (as `justfit sessions gc --max-bytes`)."),
 ):
     """Serve the model over the OpenAI HTTP API (chat and text completions, tools, JSON output, sessions).
@@ -213,11 +216,14 @@ def serve(
     if launched() and idle_release:  # under mlx.launch every rank runs this command
         raise UserError("--idle-release is not supported under mlx.launch yet (the ranks would release at different times)")
     specs = list(model or ["default"])
-    if launched() and len(specs) > 1:
-        raise UserError("serving several models is not supported under mlx.launch yet: give one --model")
-    others = _resolve_models(specs[1:])
+    if launched() and (len(specs) > 1 or models_dir):
+        raise UserError("serving several models is not supported under mlx.launch yet: give one --model and no --models-dir")
+    if launched() and draft_model:
+        raise UserError("--draft-model is not supported under mlx.launch yet (the ranks would draft at different times)")
+    others = _resolve_models(specs[1:]) + _scan_dirs(models_dir or [])
     fmt = kv_format.value if int(kv_bits.value) == 4 else "affine"
-    rt = Runtime(model=specs[0], kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget))
+    rt = Runtime(model=specs[0], kv=KVConfig(bits=int(kv_bits.value), format=fmt), memory_budget=parse_budget(memory_budget),
+                 draft_model=draft_model)
     rt.index.store.sessions_cap = quota
     options = dict(api_key=api_key, cors=cors, persist=persist, idle_release=idle_release, max_queue=max_queue,
                    max_body=max_body, header_timeout=header_timeout, body_timeout=body_timeout,
@@ -234,7 +240,7 @@ def serve(
             typer.echo(f"justfit: error: {why}", err=True)
             os._exit(1)
         return
-    run_server(rt, host, port, models=others, catalog=True, **options)
+    run_server(rt, host, port, models=others, catalog=True, draft_model=draft_model, **options)
 
 
 def _resolve_models(specs: List[str]) -> list:
@@ -242,6 +248,13 @@ def _resolve_models(specs: List[str]) -> list:
     from .models import default_model, resolve
 
     return [(s, str(default_model()) if s == "default" else resolve(s)) for s in specs]
+
+
+def _scan_dirs(folders: List[str]) -> list:
+    """(name, path) of the models in each --models-dir (GGUF files unconverted until first used)."""
+    from .models import scan_models_dir
+
+    return [row for folder in folders for row in scan_models_dir(folder)]
 
 
 def _check_port(host: str, port: int) -> None:

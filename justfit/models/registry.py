@@ -103,3 +103,18 @@ def list_models(home=None) -> list:
             source = json.loads(info.read_text()).get("source", "") if info.is_file() else ""
             rows.append({"name": folder.name, "bytes": size, "path": str(folder), "source": source})
     return rows
+
+
+def scan_models_dir(folder) -> list:
+    """(name, path) of every model in `folder`: each mlx-lm folder by its name, each .gguf file by its stem
+    (left unconverted: a server converts it into the cache on first use)."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise UserError(f"--models-dir {folder}: no such folder")
+    rows = []
+    for path in sorted(root.iterdir()):
+        if path.is_dir() and is_model_folder(path):
+            rows.append((path.name, str(path)))
+        elif path.is_file() and path.suffix.lower() == ".gguf":
+            rows.append((path.stem, str(path)))
+    return rows

@@ -19,7 +19,7 @@ class Server:
     first model is the primary one: `rt`, `worker`, `model_id`... are its (routes that name no model use it)."""
 
     def __init__(self, rt, persist: bool = False, max_queue: int = 64, idle_release: Optional[float] = None,
-                 models: tuple = (), memory_budget=None, catalog: bool = False):
+                 models: tuple = (), memory_budget=None, catalog: bool = False, draft_model: Optional[str] = None):
         from .pool import ModelPool, Served
 
         self.metrics, self.started, self.home = Metrics(), time.time(), rt.home
@@ -29,12 +29,13 @@ class Server:
         def make_runtime(path):
             from ..runtime import Runtime
 
-            return Runtime(model=path, kv=rt.kv, memory_budget=budget, home=rt.home)
+            draft = draft_model if path == self.primary.path else None  # a part of its target, reloaded with it
+            return Runtime(model=path, kv=rt.kv, memory_budget=budget, home=rt.home, draft_model=draft)
 
         def make_worker(model_rt):
             return Worker(model_rt, self.metrics, max_queue, idle_release, persist, lock=self.pool.mlx)
 
-        self.pool = ModelPool(make_runtime, make_worker, budget)
+        self.pool = ModelPool(make_runtime, make_worker, budget, rt.home)
         path = str(getattr(rt.model, "justfit_path", None) or rt.model_spec)
         self.primary = self.pool.add(Served(str(rt.model_spec), path, self.metrics, primary=True))
         self.primary.attach(rt, make_worker(rt))
@@ -79,11 +80,16 @@ class Server:
                            "(GET /v1/models)", "model", "model_not_found")
         return s
 
-    async def use(self, name: Optional[str], status: int = 400, prompt_tokens: int = 0):
-        """The model a request names, loaded (room made under the budget), for a request of prompt_tokens."""
+    async def use(self, name: Optional[str], status: int = 400):
+        """The model a request names (the primary one for None), loaded with room made under the budget."""
+        return await self.ready(self.primary if name is None else self.find(name, status))
+
+    async def ready(self, s, prompt_tokens: int = 0):
+        """`s` loaded with room under the budget for a prompt of prompt_tokens (its KV and first prefill
+        chunk's workspace), idle models unloaded for it; 503 with retry-after when it cannot fit. Every API
+        calls it once the prompt is tokenized, before queueing it."""
         import asyncio
 
-        s = self.primary if name is None else self.find(name, status)
         if s.loaded and not self._short(s, prompt_tokens):
             s.last_used = time.monotonic()
             return s
@@ -91,6 +97,8 @@ class Server:
             return await asyncio.to_thread(self.pool.ensure, s, self._need(s, prompt_tokens))
         except MemoryBudgetError as e:
             raise APIError(503, f"out of memory budget: {e}", code="memory_budget", retry_after=5) from None
+        except UserError as e:  # the model's files on this machine (a broken GGUF, a folder gone): the operator's to fix
+            raise APIError(500, f"model {s.model_id!r} could not be loaded: {e}", "model", "model_load_failed") from None
 
     def _need(self, s, prompt_tokens: int) -> int:
         """KV bytes of a prompt on a loaded model plus its first prefill chunk's workspace (0 before it
@@ -125,9 +133,11 @@ class Server:
 
 def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, persist: bool = False,
                max_body: int = MAX_BODY, max_queue: int = 64, idle_release: Optional[float] = None,
-               models: tuple = (), memory_budget=None, catalog: bool = False):
+               models: tuple = (), memory_budget=None, catalog: bool = False, draft_model: Optional[str] = None):
     """The ASGI app serving `rt` first, and `models` ((spec, folder) pairs) and, with catalog, every cached
-    model, each loaded on first use under one memory budget (the worker threads stop on shutdown)."""
+    model, each loaded on first use under one memory budget (the worker threads stop on shutdown).
+    draft_model: the spec `rt` was built with as its draft model, so that a reload of `rt`'s model brings
+    its drafter back."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -143,7 +153,7 @@ def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, pe
 
     from .models_routes import router as models_router
 
-    server = Server(rt, persist, max_queue, idle_release, models, memory_budget, catalog)
+    server = Server(rt, persist, max_queue, idle_release, models, memory_budget, catalog, draft_model)
 
     @asynccontextmanager
     async def lifespan(_app):

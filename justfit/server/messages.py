@@ -218,6 +218,7 @@ async def count_tokens(req: CountRequest, request: Request):
 async def messages(req: MessagesRequest, request: Request):
     srv = await check_model(_srv(request), req.model)
     ids, tools, syntax, grammar, chat = prompt_of(srv, req)
+    srv = await _srv(request).ready(srv, len(ids))
     # Anthropic clients ask for large budgets (Claude Code: tens of thousands): the reply gets what fits
     job = srv.submit(chat, ids, min(req.max_tokens, srv.context - len(ids)), grammar)
     reply, mid = Reply(syntax, bool(tools)), "msg_" + uuid.uuid4().hex[:24]

@@ -9,7 +9,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ..errors import MemoryBudgetError
+from ..errors import MemoryBudgetError, UserError
 from .errors import APIError
 
 router = APIRouter()
@@ -24,8 +24,9 @@ async def models(request: Request):
 
 @router.post("/justfit/models/{name:path}/load")
 async def load(name: str, request: Request):
-    """Events: {"status": "unloading", ...} for each model released to make room, "loading" every half
-    second, then "loaded" (seconds, weights_bytes) or "error" (the 503's message)."""
+    """Events: {"status": "unloading", ...} for each model released to make room, "converting" for a GGUF's
+    first load, "loading" every half second, then "loaded" (seconds, weights_bytes) and "ready", or "error"
+    (the 503's message, or why the model's files could not be loaded)."""
     srv = request.app.state.server
     served = srv.find(name, status=404)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -39,6 +40,8 @@ async def load(name: str, request: Request):
             progress({"status": "ready", "model": served.model_id, "bytes": served.memory()})
         except MemoryBudgetError as e:
             progress({"status": "error", "code": "memory_budget", "message": f"out of memory budget: {e}"})
+        except UserError as e:  # a broken GGUF, a folder gone: said in the stream, the server goes on
+            progress({"status": "error", "code": "model_load_failed", "message": str(e)})
         progress(None)
 
     task = asyncio.create_task(run())

@@ -131,6 +131,7 @@ async def chat(request: Request):
     _keep_alive(srv, body)
     req = engine_request(srv.model_id, chat_messages(body), body, body.tools)
     ids, tools, syntax, grammar = prompts.chat_prompt(srv.rt, req)
+    srv = await server.ready(srv, len(ids))
     job = srv.submit(req, ids, budget(srv, body.options, len(ids)), grammar)
     reply, turn = Reply(syntax, bool(tools)), Turn(srv, len(ids), load_s)
 
@@ -172,6 +173,7 @@ async def generate(request: Request):
         grammar = prompts.response_grammar(req) if req.response_format is not None else None
     else:
         ids, _, _, grammar = prompts.chat_prompt(srv.rt, req)
+    srv = await server.ready(srv, len(ids))
     job = srv.submit(req, ids, budget(srv, body.options, len(ids)), grammar)
     reply, turn = Reply(), Turn(srv, len(ids), load_s)
 

@@ -27,7 +27,8 @@ class Served:
 
     def __init__(self, spec: str, path: str, metrics, primary: bool = False):
         self.spec, self.path, self.metrics = spec, path, metrics
-        self.model_id = Path(path).name or spec
+        gguf = path.lower().endswith(".gguf")  # converted into the cache when it first loads
+        self.model_id = (Path(path).stem if gguf else Path(path).name) or spec
         self.names = {self.model_id, spec, path} | ({"default"} if primary else set())
         self.rt = self.worker = None
         self.context: Optional[int] = None
@@ -68,6 +69,15 @@ class Served:
         weights, ws = self.weight_bytes(), self.workspace if self.busy else 0
         return {"weights": weights, "kv": kv, "kv_by_session": sessions, "workspace": ws, "total": weights + kv + ws}
 
+    def draft(self) -> Optional[dict]:
+        """The draft model's share while loaded (its bytes, part of `weights`) and the engine's drafting
+        counts; None without one."""
+        parts = [c for c in self.rt.phaseswap.components.values() if c.kind == "draft-model"] if self.rt else []
+        if not parts:
+            return None
+        counts = dict(self.rt.engine.counts) if self.rt.engine is not None else {}
+        return {"bytes": sum(c.size() for c in parts if c.resident), **counts}
+
     def check_model(self, name: str, status: int = 400):
         if name not in self.names:
             raise APIError(status, f"model {name!r} is not served here (GET /v1/models)", "model", "model_not_found")
@@ -92,12 +102,15 @@ class Served:
 
 def estimate_weights(path: str) -> int:
     """Bytes a model folder's weights take once loaded: its safetensors' tensors by their headers, 16-bit
-    floats twice over on the CPU backend (load.py widens them to float32)."""
+    floats twice over on the CPU backend (load.py widens them to float32); a GGUF file's size before it is
+    converted (a guess: the pool checks again with the loaded bytes)."""
     import json
     import struct
 
     from ..models import backend
 
+    if Path(path).is_file():
+        return Path(path).stat().st_size
     widen = 2 if backend() == "cpu" else 1
     total = 0
     for f in sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []:
@@ -115,10 +128,10 @@ class ModelPool:
     """Every served model, loaded on first use and unloaded least recently used first under one budget."""
 
     def __init__(self, make_runtime: Callable[[str], object], make_worker: Callable[[object], Worker],
-                 budget_bytes: Optional[int] = None):
+                 budget_bytes: Optional[int] = None, home=None):
         from ..phaseswap.budget import Budget
 
-        self.make_runtime, self.make_worker = make_runtime, make_worker
+        self.make_runtime, self.make_worker, self.home = make_runtime, make_worker, home
         self.budget = Budget(budget_bytes)
         self.served: List[Served] = []
         self.mlx = threading.RLock()  # held by whichever thread runs MLX: a worker's step, a load, an unload
@@ -152,11 +165,18 @@ class ModelPool:
         return s
 
     def _load(self, s: Served, progress):
+        start = time.perf_counter()
+        folder = s.path
+        if folder.lower().endswith(".gguf"):  # converted once into the cache, outside the MLX lock
+            from ..models import import_gguf
+
+            if progress:
+                progress({"status": "converting", "model": s.model_id, "file": s.path})
+            folder = str(import_gguf(s.path, self.home))
         if progress:
             progress({"status": "loading", "model": s.model_id})
-        start = time.perf_counter()
         with self.mlx:
-            rt = self.make_runtime(s.path)
+            rt = self.make_runtime(folder)
         s.attach(rt, self.make_worker(rt))
         s.loads += 1
         s.load_s = time.perf_counter() - start
@@ -208,6 +228,7 @@ class ModelPool:
         rows = [{"id": s.model_id, "loaded": s.loaded, "busy": s.busy, "loads": s.loads,
                  "load_s": round(s.load_s, 3),
                  "restore_s": round(s.worker.restore_s, 3) if s.worker else None, "released": bool(s.worker and s.worker.released),
-                 "keep_alive_s": s.worker.idle_release if s.worker else None, "bytes": s.memory()} for s in self.served]
+                 "keep_alive_s": s.worker.idle_release if s.worker else None, "bytes": s.memory(),
+                 "draft": s.draft()} for s in self.served]
         return {"models": rows, "budget_bytes": self.budget.limit, "resident_bytes": self.resident(),
                 "events": self.events[-20:]}

@@ -99,6 +99,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     session, retention = _session(req, prev, rid, keep)
     chat, new = chat_request(req, history, session, retention)
     ids, tools, syntax, grammar = prompts.chat_prompt(srv.rt, chat)
+    srv = await request.app.state.server.ready(srv, len(ids))
     job = srv.submit(chat, ids, _max_new(chat, srv.context, len(ids)), grammar)
     reply = Reply(syntax, bool(tools))
     out = Output(_skeleton(req, srv, rid, chat, keep), reply.id)

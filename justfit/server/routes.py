@@ -68,7 +68,7 @@ def _finish(call, stats) -> str:
 async def chat_completions(req: ChatRequest, request: Request):
     srv = await _srv(request).use(req.model)
     ids, tools, syntax, grammar = prompts.chat_prompt(srv.rt, req)
-    srv = await _srv(request).use(req.model, prompt_tokens=len(ids))  # room for its KV too
+    srv = await _srv(request).ready(srv, len(ids))  # room for its KV and workspace too
     max_tokens = prompts.max_new(req, srv.context, len(ids))
     jobs = [srv.submit(req, ids, max_tokens, grammar) for _ in range(req.n)]
     rid = "chatcmpl-" + uuid.uuid4().hex
@@ -120,6 +120,7 @@ async def completions(req: CompletionRequest, request: Request):
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix", "unsupported_parameter")
     ids = prompts.completion_prompt(srv.rt, req)
+    srv = await _srv(request).ready(srv, len(ids))
     max_tokens = prompts.max_new(req, srv.context, len(ids), default=16)  # OpenAI's default for completions
     jobs = [srv.submit(req, ids, max_tokens, None) for _ in range(req.n)]
     rid = "cmpl-" + uuid.uuid4().hex

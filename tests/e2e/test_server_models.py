@@ -118,6 +118,25 @@ def test_request_over_the_budget_is_503(pooled):
     assert r.json()["error"]["code"] == "memory_budget"
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": "default", "prompt": "WORDS", "max_tokens": 4, "stream": True}),
+    ("/v1/responses", {"model": "default", "input": "WORDS", "max_output_tokens": 16, "stream": True}),
+    ("/v1/messages", {"model": "default", "max_tokens": 4, "stream": True,
+                      "messages": [{"role": "user", "content": "WORDS"}]}),
+    ("/api/chat", {"model": "default", "messages": [{"role": "user", "content": "WORDS"}]}),
+    ("/api/generate", {"model": "default", "prompt": "WORDS"}),
+])
+def test_every_api_refuses_a_prompt_over_the_budget_before_it_streams(pooled, path, body):
+    """Each API reserves the prompt's KV and prefill workspace at admission, as chat does: a status line of
+    503 with retry-after, not a stream that fails after its first event."""
+    words = " ".join(["colour"] * 6000)
+    r = pooled.http.post(path, content=json.dumps(body).replace("WORDS", words),
+                         headers={"content-type": "application/json"})
+    assert r.status_code == 503, r.text[:300]
+    assert r.headers.get("retry-after")
+    assert "memory budget" in r.text
+
+
 def test_unload_and_load_endpoints(pooled):
     r = pooled.http.post("/api/generate", json={"model": "tiny-llama", "prompt": "", "keep_alive": 0})
     assert r.status_code == 200 and r.json()["done_reason"] == "unload"
@@ -142,3 +161,70 @@ def test_ollama_load_duration_is_the_load_a_request_waited_for(pooled):
     assert first["load_duration"] > 1e6 and first["total_duration"] > first["load_duration"], first  # loaded for it
     again = pooled.http.post("/api/generate", json=body).json()
     assert again["load_duration"] < first["load_duration"] / 10, again  # resident already
+
+
+@pytest.fixture(scope="module")
+def drafted(default_model_dir, tiny_model, tmp_path_factory):
+    """The default model served with the tiny llama as its draft model (`justfit serve --draft-model`),
+    and a --models-dir holding a tiny GGUF and a file that only claims to be one."""
+    from gguf_writer import write_tiny_llama_gguf
+    from tests.server_support import InProcess
+    from justfit.models import scan_models_dir
+
+    kv = justfit.KVConfig(bits=4, format="affine")
+    home = tmp_path_factory.mktemp("draft-home")
+    folder = tmp_path_factory.mktemp("models-dir")
+    write_tiny_llama_gguf(folder / "tiny-gguf.gguf", "Q8_0")
+    (folder / "broken.gguf").write_bytes(b"GGUF" + bytes(60))
+    rt = justfit.Runtime(model=str(default_model_dir), kv=kv, home=home, draft_model=str(tiny_model))
+    s = InProcess(rt, draft_model=str(tiny_model), models=tuple(scan_models_dir(folder)))
+    yield s
+    s.stop()
+
+
+def _row(srv, model_id):
+    return next(m for m in srv.http.get("/justfit/models").json()["models"] if m["id"] == model_id)
+
+
+def test_a_draft_model_is_a_part_of_its_target_under_the_budget(drafted, server, tiny_model):
+    """The draft model's bytes count in its target's weights and in the server's resident bytes; it drafts
+    for a lone greedy request without changing the reply, and an unload and reload brings it back."""
+    from justfit.server.pool import estimate_weights
+
+    ask = [{"role": "user", "content": "Count from one to ten in words."}]
+    reference = _chat(server, "default", ask, max_tokens=24).json()["choices"][0]["message"]["content"]
+    r = _chat(drafted, "default", ask, max_tokens=24)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == reference  # drafting leaves greedy output alone
+    model_id = r.json()["model"]
+    row = _row(drafted, model_id)
+    draft = row["draft"]
+    assert draft is not None and draft["draft_passes"] > 0 and draft["drafted_tokens"] > 0, row
+    assert abs(draft["bytes"] - estimate_weights(str(tiny_model))) < 0.1 * draft["bytes"], row
+    assert row["bytes"]["weights"] > draft["bytes"] * 2  # the target's own weights beside it
+    assert drafted.http.get("/justfit/models").json()["resident_bytes"] >= row["bytes"]["weights"]
+    assert drafted.http.post(f"/justfit/models/{model_id}/unload").json()["unloaded"] is True
+    r = _chat(drafted, "default", ask, max_tokens=24)
+    assert r.json()["choices"][0]["message"]["content"] == reference
+    row = _row(drafted, model_id)
+    assert row["loads"] == 1 and row["draft"]["bytes"] == draft["bytes"], row  # reloaded with its drafter
+
+
+def test_a_gguf_in_a_models_dir_is_served_by_name_and_converted_on_first_use(drafted):
+    listed = {m["id"] for m in drafted.http.get("/v1/models").json()["data"]}
+    assert {"tiny-gguf", "broken"} <= listed, listed
+    with drafted.http.stream("POST", "/justfit/models/tiny-gguf/load") as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    statuses = [e["status"] for e in events]
+    assert statuses[0] == "converting" and statuses[-1] == "ready", events
+    r = _chat(drafted, "tiny-gguf")
+    assert r.status_code == 200 and r.json()["model"] == "tiny-gguf", r.text
+    assert r.json()["usage"]["completion_tokens"] > 0
+    # a file that is no GGUF: a clear error for the request, and the server goes on serving
+    r = _chat(drafted, "broken")
+    assert r.status_code == 500 and r.json()["error"]["code"] == "model_load_failed", r.text
+    assert "broken" in r.json()["error"]["message"]
+    with drafted.http.stream("POST", "/justfit/models/broken/load") as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["status"] == "error" and events[-1]["code"] == "model_load_failed", events
+    assert _chat(drafted, "tiny-gguf").status_code == 200

@@ -79,6 +79,20 @@ def test_import_is_cached_and_listed(tmp_path):
     assert [r["name"] for r in rows] == [first.name] and rows[0]["bytes"] > 0
 
 
+def test_a_models_dir_lists_folders_by_name_and_gguf_files_by_stem(tmp_path):
+    from justfit.errors import UserError
+    from justfit.models import import_gguf, scan_models_dir
+
+    g = write_tiny_llama_gguf(tmp_path / "Tiny.Q4_0.gguf", tensor_type="Q4_0")
+    folder = import_gguf(g.path, home=tmp_path / "home", log=lambda m: None)
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "empty").mkdir()
+    rows = dict(scan_models_dir(tmp_path / "home" / "models")) | dict(scan_models_dir(tmp_path))
+    assert rows == {folder.name: str(folder), "Tiny.Q4_0": str(g.path)}
+    with pytest.raises(UserError, match="no such folder"):
+        scan_models_dir(tmp_path / "missing")
+
+
 def test_spm_tokenizer_gguf_loads_and_generates(tmp_path):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
