@@ -20,10 +20,11 @@ CONFIGS = [KVConfig(bits=16, page_size=32), KVConfig(bits=4, page_size=32, quant
            KVConfig(bits=4, key_format="affine", page_size=32, quantized_kv_start=0)]  # [1] is the default: channel keys
 
 
-@pytest.fixture(scope="module")
-def rt(runtime16):
-    runtime16.phaseswap.enter("decode")  # weights resident even if an earlier test ran a tool phase
-    return runtime16
+@pytest.fixture
+def rt(shallow):
+    """The default model cut to 6 layers (conftest.shallow): batching works per layer alike at any depth."""
+    shallow.phaseswap.enter("decode")  # weights resident even if an earlier test ran a tool phase
+    return shallow
 
 
 def _alone(model, kv, ids, n):

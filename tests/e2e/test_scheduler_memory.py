@@ -19,8 +19,8 @@ TOKENS = (1, 31, 32, 64, 77, 130)  # one token, a partial page, page boundaries,
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_predicted_bytes_equal_the_pool_after_writing(runtime16, name):
-    model, kv = runtime16.model, LAYOUTS[name]
+def test_predicted_bytes_equal_the_pool_after_writing(shallow, name):
+    model, kv = shallow.model, LAYOUTS[name]  # 6 layers (conftest.shallow): the bytes scale per layer
     predict = KVBytes(model, kv)
     for n in TOKENS:
         pool = PagePool(len(model.layers), kv.page_size)
