@@ -32,6 +32,31 @@ def default_model_dir(test_home) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shallow_model_dir(default_model_dir, tmp_path_factory) -> Path:
+    """The default model's folder cut to its first 10 of 30 layers (config and weights): the same tokenizer,
+    embedding and head, 3x shorter forward passes, for tests of mechanisms that work per step, per request
+    or per page alike at any depth (scheduling, sessions, batching)."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    out = tmp_path_factory.mktemp("models") / "SmolLM2-10-layers"
+    out.mkdir()
+    config = json.loads((default_model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = 10
+    (out / "config.json").write_text(json.dumps(config))
+    for f in default_model_dir.iterdir():
+        if f.suffix == ".safetensors":
+            kept = {k: v for k, v in mx.load(str(f)).items()
+                    if not k.startswith("model.layers.") or int(k.split(".")[2]) < 10}
+            mx.save_safetensors(str(out / f.name), kept, metadata={"format": "mlx"})
+        elif f.is_file() and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
 def runtime16(default_model_dir, tmp_path_factory):
     """The real default model with a full-precision KV cache (the exactness reference), over a store of its
     own (the suite runs in several worker processes: pytest-xdist)."""
