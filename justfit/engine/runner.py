@@ -25,11 +25,29 @@ def no_phase(*args, **kwargs) -> float:
 
 
 def last_logits(model, cache, ids):
-    """Logits [1, vocab] after feeding `ids` (a list, or an array of pending tokens) to one sequence."""
+    """Logits [1, vocab] after feeding `ids` (a list, or an array of pending tokens) to one sequence. Only
+    the last row reaches the LM head where the model allows (a prompt's last chunk would otherwise pay the
+    head, the largest weight, for every row of the chunk)."""
     import mlx.core as mx
 
     x = ids if isinstance(ids, mx.array) else mx.array(ids)
+    inner = _plain_body(model)
+    if inner is not None and x.size > 1:
+        return head(model, inner(x[None], cache=cache)[:, -1:, :])[:, -1, :]
     return model(x[None], cache=cache)[:, -1, :]
+
+
+def _plain_body(model):
+    """model.model for the models whose output is head(model.model(x)) and nothing else, else None."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None and type(model).__module__.rsplit(".", 1)[-1] in _HEAD_MODELS else None
+
+
+def head(model, h):
+    """The LM head over hidden states h (the tied embedding's as_linear, or lm_head)."""
+    if getattr(getattr(model, "args", None), "tie_word_embeddings", False):
+        return model.model.embed_tokens.as_linear(h)
+    return model.lm_head(h)
 
 
 def body_of(model):
@@ -166,12 +184,9 @@ def batched_logits(model, plan, tokens):
 
     inputs = (tokens if isinstance(tokens, mx.array) else mx.array(list(tokens)))[:, None]
     rows = mx.array(plan.last_rows())
-    inner, args = getattr(model, "model", None), getattr(model, "args", None)
-    if inner is not None and type(model).__module__.rsplit(".", 1)[-1] in _HEAD_MODELS:
-        h = _sampled_hidden(inner, plan, inputs, rows)  # only the rows that are sampled reach the LM head
-        if getattr(args, "tie_word_embeddings", False):
-            return inner.embed_tokens.as_linear(h)[:, -1]
-        return model.lm_head(h)[:, -1]
+    inner = _plain_body(model)
+    if inner is not None:
+        return head(model, _sampled_hidden(inner, plan, inputs, rows))[:, -1]  # only sampled rows reach the head
     return model(inputs, cache=plan.layers)[rows, -1]
 
 

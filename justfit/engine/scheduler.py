@@ -28,9 +28,10 @@ PROGRESS_STEP = 512  # the chunk of a lone prefill someone watches (a progress b
 
 def lone_chunk(left: int, span: int, step: int = PREFILL_STEP) -> int:
     """Rows of a lone request's next prefill chunk, `left` of a prefill of `span` new tokens: a short one (a
-    chat turn on a cached history) in one pass, since the LM head over <= ONE_PASS rows costs less than a
-    second pass through every layer; a longer one in `step`-row chunks of the decoder stack, then its last
-    token alone (the loop of mlx-lm's generate_step)."""
+    chat turn on a cached history) in one pass (runner.last_logits sends only its last row through the LM
+    head where the model allows; elsewhere the head over <= ONE_PASS rows still costs less than a second
+    pass through every layer); a longer one in `step`-row chunks of the decoder stack, then its last token
+    alone (the loop of mlx-lm's generate_step)."""
     if span <= ONE_PASS:
         return left
     return min(step, left - 1) if left > 1 else 1

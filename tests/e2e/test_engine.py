@@ -127,3 +127,20 @@ def test_tool_phase_releases_a_sessions_pages_and_they_come_back(runtime16):
     from justfit.statetrans.manifest import remove_manifest
 
     remove_manifest(rt.home, name)
+
+
+def test_a_prompts_last_pass_sends_only_its_last_row_through_the_lm_head(shallow, monkeypatch):
+    """last_logits over a prompt chunk: the same logits as the whole model's last row, with one row through
+    the head (the tied embedding, the largest weight) instead of every row of the chunk."""
+    import mlx.core as mx
+
+    from justfit.engine import runner
+    from justfit.kvexec import make_cache
+
+    model, ids = shallow.model, shallow.encode("Count the boats in the harbour, then the ferries.")
+    want = model(mx.array(ids)[None], cache=make_cache(model, shallow.kv))[:, -1, :]
+    rows, head = [], runner.head
+    monkeypatch.setattr(runner, "head", lambda m, h: rows.append(h.shape[1]) or head(m, h))
+    got = runner.last_logits(model, make_cache(model, shallow.kv), ids)
+    assert rows == [1] and len(ids) > 8
+    assert float(mx.abs(got - want).max()) < 1e-4
