@@ -204,8 +204,21 @@ def repl(rt, system: Optional[str], opts: dict, out: Optional[ChatOutput] = None
                 messages = _system(system)
                 typer.echo("[history cleared]", err=True)
         else:
-            messages.append({"role": "user", "content": line})
-            messages.append({"role": "assistant", "content": out.reply(rt, rt, messages, opts)})
+            text = _turn(out, rt, rt, messages + [{"role": "user", "content": line}], opts)
+            if text is not None:
+                messages += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
+
+
+def _turn(out, rt, source, messages, opts) -> Optional[str]:
+    """One interactive turn; a turn the runtime refuses (the history has filled the model's context, a bad
+    option) is said in one line and the conversation goes on without it."""
+    from .errors import UserError
+
+    try:
+        return out.reply(rt, source, messages, opts)
+    except UserError as e:
+        typer.echo(f"justfit: {e} (nothing was added; /reset clears the history)", err=True)
+        return None
 
 
 def _show_history(session, to_stderr: bool) -> None:
@@ -238,8 +251,7 @@ def session_chat(rt, name: str, prompt: Optional[str], system: Optional[str], op
                     session.rewind(len(session.tokens))
                     first = _system(system)
                     typer.echo("[session cleared]", err=True)
-            else:
-                out.reply(rt, session, first + [{"role": "user", "content": line}], opts)
+            elif _turn(out, rt, session, first + [{"role": "user", "content": line}], opts) is not None:
                 first = []
     finally:
         session.close()

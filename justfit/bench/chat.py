@@ -10,8 +10,9 @@ yielded; decode tok/s is (tokens - 1) / (last token time - first token time); pe
 over the turn. Each round uses a fresh prompt (so no system reuses a previous round's prefix beyond
 what the Runtime's own prefix cache does, reported as `reused_tokens`); systems alternate in each round.
 
-`--context N` puts a document of about N tokens before each round's question (TTFT at long prompts); its
-words are shuffled per round from a seed, so no round shares a prefix with another. `--systems` leaves
+`--context N` puts a document of about N tokens before each round's question (TTFT at long prompts;
+shortened so that the prompt and --max-tokens fit the model's context); its words are shuffled per round
+from a seed, so no round shares a prefix with another. `--systems` leaves
 baselines out (mlx_lm.load's quantized path prefills at a few tokens per second on a CPU).
 """
 
@@ -58,6 +59,18 @@ def long_prompt(question: str, tokens: int, seed: int, encode) -> str:
         text = " ".join(doc)
         ids = encode(text)
     return f"Read this document, then answer.\n\n{text}\n\n{question}"
+
+
+def _fitted(rt, question: str, context: int, seed: int, max_tokens: int):
+    """(prompt, ids) with a document of about `context` tokens, shortened so that the prompt and max_tokens
+    fit the model's context (a longer prompt is refused, as the model was not trained past it)."""
+    limit = getattr(getattr(rt.model, "args", None), "max_position_embeddings", None)
+    prompt = long_prompt(question, context, seed=seed, encode=rt.encode)
+    ids = rt.encode(prompt)
+    if context and limit and len(ids) + max_tokens > limit:
+        prompt = long_prompt(question, context - (len(ids) + max_tokens - limit), seed=seed, encode=rt.encode)
+        ids = rt.encode(prompt)
+    return prompt, ids
 
 
 def _log(msg):
@@ -169,8 +182,7 @@ def _run(folder, home, rounds: int, max_tokens: int, context: int, systems) -> d
     per = {name: [] for name in systems}
     for r in range(rounds):
         question = PROMPTS[r % len(PROMPTS)] + ("" if r < len(PROMPTS) else f" (variant {r})")
-        prompt = long_prompt(question, context, seed=r, encode=rt.encode)
-        ids = rt.encode(prompt)
+        prompt, ids = _fitted(rt, question, context, r, max_tokens)
         order = list(per) if r % 2 == 0 else list(per)[::-1]
         for name in order:
             res = _justfit(rt, prompt, max_tokens) if name == "justfit" else _mlx_lm(models[name], tokenizer, ids, max_tokens)
@@ -212,7 +224,8 @@ def chat(
     max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens generated per turn."),
     model: str = typer.Option("default", "--model", help="Model spec, as for justfit chat."),
     context: int = typer.Option(0, "--context", help="Tokens of document before each question (0: the short "
-                                "prompts alone). TTFT at 512 to 8k tokens is the long-prompt target."),
+                                "prompts alone), shortened where the prompt and --max-tokens would pass the model's "
+                                "context. TTFT at 512 to 8k tokens is the long-prompt target."),
     systems: str = typer.Option(",".join(SYSTEMS), "--systems",
                                 help="Comma-separated systems to run: justfit, mlx-lm, mlx-lm-quantized."),
     quick: bool = typer.Option(False, "--quick", help="CI smoke: 2 rounds of 8 tokens."),

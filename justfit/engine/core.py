@@ -77,10 +77,10 @@ class Engine:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
         tokens = check_token_ids(tokens, self.vocab)
+        if len(tokens) + max_tokens > self.context:  # a session's history counts: it is in tokens
+            raise UserError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                            f"context of {self.context} tokens")
         if caches is None:
-            if len(tokens) + max_tokens > self.context:
-                raise UserError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                                f"context of {self.context} tokens")
             self.kv.check(len(tokens) + max_tokens)
         elif not 0 <= reused < len(tokens):
             raise ValueError("reused tokens must leave at least one token to prefill")

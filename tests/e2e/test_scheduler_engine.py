@@ -82,6 +82,8 @@ def test_bad_requests_refused_without_disturbing_the_batch(rt):
                            ([10**7], {}, "vocabulary")):
         with pytest.raises(UserError, match=words):
             eng.submit(bad, **kw)
+    with pytest.raises(UserError, match="context"):  # a session's own caches: its history counts the same
+        eng.submit([1] * 8100, max_tokens=100, caches=rt.make_cache(), reused=0)
     assert r.result().tokens == greedy_alone(rt, ids, 8)
 
 

@@ -131,3 +131,22 @@ def test_piped_stdin_drives_a_session_turn_by_turn(monkeypatch):
     r = CliRunner().invoke(app, ["chat", "--session", "work"], input="one\ntwo\n")
     assert r.exit_code == 0, r.output
     assert turns == [["one"], ["two"]]
+
+
+def test_a_turn_the_runtime_refuses_is_one_line_and_the_chat_goes_on(monkeypatch, capsys):
+    """A turn refused with a UserError (the history filled the model's context) is said in one line, is not
+    added to the history, and the next turn runs."""
+    from justfit.errors import UserError
+
+    class Full(FakeRuntime):
+        def stream(self, messages, progress=None, **opts):
+            if "long" in messages[-1]["content"]:
+                raise UserError("prompt (8200 tokens) + max_tokens (256) exceeds the model's context of 8192 tokens")
+            return super().stream(messages, progress, **opts)
+
+    rt = Full()
+    _type(monkeypatch, ["hello", "a long paste", "short again"])
+    repl(rt, None, {})
+    err = capsys.readouterr().err
+    assert "exceeds the model's context" in err and "/reset" in err
+    assert rt.prompts == [["hello"], ["hello", "short again"]]  # the refused turn left no trace
