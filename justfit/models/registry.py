@@ -21,8 +21,9 @@ def models_dir(home: Optional[Path] = None) -> Path:
     return home_dir(home) / "models"
 
 
-def _gguf_key(path: Path) -> str:
+def gguf_cache_name(path) -> str:
     """Cache name for a GGUF: its stem plus a short hash of size and first/last MiB."""
+    path = Path(path)
     h = hashlib.sha256(str(path.stat().st_size).encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))
@@ -42,7 +43,7 @@ def import_gguf(path, home=None, log=_log) -> Path:
     path = Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"no such GGUF file: {path}")
-    out = writable_home(home) / "models" / _gguf_key(path)
+    out = writable_home(home) / "models" / gguf_cache_name(path)
     if is_model_folder(out):
         return out
     return convert_gguf(path, out, log=log)

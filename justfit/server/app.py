@@ -43,9 +43,7 @@ class Server:
         for spec, model_path in models:
             self.pool.add(Served(spec, model_path, self.metrics))
         if catalog:  # every model cached under JUSTFIT_HOME/models is served by its folder name
-            from ..models import list_models
-
-            for row in list_models(rt.home):
+            for row in _cached_models(self.pool.served, rt.home):
                 self.pool.add(Served(row["name"], row["path"], self.metrics))
         self.gate = None  # conns.Gate, when serve() runs the app
 
@@ -129,6 +127,21 @@ class Server:
         note = request.scope.setdefault("state", {})
         note["log"] = f"prompt={len(job.prompt)} cached={cached} completion={gen} " \
                       f"queued={stats.get('queue_s', 0.0):.2f}s total={time.perf_counter() - job.queued_at:.2f}s"
+
+
+def _cached_models(served, home) -> list:
+    """list_models' rows but the folders a served GGUF converts into: a GGUF served by name (--models-dir) is
+    served once, not again under its cache folder's name after a restart."""
+    from ..models import gguf_cache_name, list_models
+
+    converted = set()
+    for s in served:
+        if s.path.lower().endswith(".gguf"):
+            try:
+                converted.add(gguf_cache_name(s.path))
+            except OSError:  # unreadable now: its load will say why
+                pass
+    return [row for row in list_models(home) if row["name"] not in converted]
 
 
 def create_app(rt, api_key: Optional[str] = None, cors: Optional[str] = None, persist: bool = False,

@@ -93,6 +93,22 @@ def test_a_models_dir_lists_folders_by_name_and_gguf_files_by_stem(tmp_path):
         scan_models_dir(tmp_path / "missing")
 
 
+def test_a_converted_gguf_served_by_name_is_not_listed_again_under_its_cache_folder(tmp_path):
+    from types import SimpleNamespace
+
+    from justfit.models import import_gguf
+    from justfit.server.app import _cached_models
+
+    g = write_tiny_llama_gguf(tmp_path / "tiny.gguf", tensor_type="Q4_0")
+    other = write_tiny_llama_gguf(tmp_path / "other.gguf", tensor_type="Q8_0", seed=1)
+    home = tmp_path / "home"
+    for f in (g, other):
+        import_gguf(f.path, home=home, log=lambda m: None)
+    served = [SimpleNamespace(path=str(g.path)), SimpleNamespace(path=str(tmp_path / "gone.gguf"))]
+    names = [row["name"] for row in _cached_models(served, home)]
+    assert len(names) == 1 and names[0].startswith("other-"), names
+
+
 def test_spm_tokenizer_gguf_loads_and_generates(tmp_path):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
