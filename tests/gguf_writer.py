@@ -181,6 +181,7 @@ def write_tiny_llama_gguf(
     pre: str = "smollm",
     add_space_prefix: bool = True,
     chat_template: str | None = CHATML,
+    context: int = 2048,
 ) -> TinyGGUF:
     """Write a tiny random Llama GGUF with 2-D weights in `tensor_type` (embedding in `embed_type`, default
     the same) and norms in F32; tokenizer "gpt2" (byte-level BPE) or "llama" (SentencePiece)."""
@@ -191,7 +192,7 @@ def write_tiny_llama_gguf(
     n_vocab, head_dim = len(vocab["tokens"]), hidden // heads
     w = gguf.GGUFWriter(str(path), architecture)
     w.add_name("tiny-llama-test")
-    w.add_context_length(256)
+    w.add_context_length(context)  # 2048: room for the session tests' multi-turn histories
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
     w.add_feed_forward_length(ffn)
@@ -240,7 +241,7 @@ def write_tiny_llama_gguf(
     config = dict(
         model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=ffn,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
-        vocab_size=n_vocab, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=tie_embeddings,
+        vocab_size=n_vocab, rope_theta=10000.0, max_position_embeddings=context, tie_word_embeddings=tie_embeddings,
     )
     return TinyGGUF(Path(path), config, ref, vocab["tokens"])
 

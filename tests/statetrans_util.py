@@ -9,16 +9,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = 32
 
 
-def tiny_model_folder(cache_dir: Path, layers: int = 2) -> Path:
-    """Write and convert a tiny Llama GGUF once; returns the mlx-lm folder."""
+def tiny_model_folder(cache_dir: Path, layers: int = 2, context: int = 2048) -> Path:
+    """Write and convert a tiny Llama GGUF once (`context`: its trained context, which bounds prompt +
+    max_tokens); returns the mlx-lm folder."""
     from gguf_writer import write_tiny_llama_gguf
 
     from justfit.models import import_gguf
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    gguf = cache_dir / f"tiny-st-{layers}.gguf"
+    gguf = cache_dir / f"tiny-st-{layers}-{context}.gguf"
     if not gguf.exists():
-        write_tiny_llama_gguf(gguf, "F32", layers=layers)
+        write_tiny_llama_gguf(gguf, "F32", layers=layers, context=context)
     return import_gguf(gguf, home=cache_dir / "home", log=lambda m: None)
 
 

@@ -16,7 +16,7 @@ from distributed_launch import env, free_port, launch, launcher, rank_process, w
 def tiny_folder(tmp_path_factory):
     from statetrans_util import tiny_model_folder
 
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-cli"), layers=4)
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-cli"), layers=4, context=1 << 17)  # a 100k-token reply fits
 
 
 def _skip_without_launch():
