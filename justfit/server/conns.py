@@ -93,13 +93,14 @@ class Gate:
 
 def fd_budget(max_connections: int) -> Tuple[int, int]:
     """(connection cap, listen backlog) that fit the process's open-file limit: asyncio accepts up
-    to `backlog` sockets in one burst before any of them reaches the Gate, so the cap, the burst and
-    FD_RESERVE must fit under the limit together."""
+    to `backlog` sockets in one burst before any of them reaches the Gate, and a second burst can come
+    before the connections the first one evicted have closed (a transport closes its socket on the
+    loop's next turn), so the cap, two bursts and FD_RESERVE must fit under the limit together."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return max_connections, 2048
-    backlog = min(2048, max(16, (soft - FD_RESERVE) // 4))
-    room = max(16, soft - FD_RESERVE - backlog)
+    backlog = min(2048, max(16, (soft - FD_RESERVE) // 6))
+    room = max(16, soft - FD_RESERVE - 2 * backlog)
     if room < max_connections:
         log.warning("connection cap lowered from %d to %d: the open-file limit is %d (ulimit -n)",
                     max_connections, room, soft)
