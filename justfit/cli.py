@@ -109,7 +109,6 @@ def chat(
     kv_format: KVFormat = typer.Option(KVFormat.affine, "--kv-format", help="4-bit KV format (rotated needs --kv-bits 4)."),
     json: bool = typer.Option(False, "--json", help="Print one JSON object per reply (text, stats) instead of streamed text; for scripts."),
     stats: bool = typer.Option(False, "--stats", help="Also show resident components and the phase after each reply."),
-    models_dir: Optional[List[str]] = typer.Option(None, "--models-dir", metavar="DIR", help="Also serve every mlx-lm folder and .gguf file in this folder, by its name (a GGUF's file name without .gguf), each loaded on first use; a GGUF is converted into JUSTFIT_HOME/models the first time. Repeatable."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Small model with the same tokenizer for speculative decoding."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", envvar="JUSTFIT_MEMORY_BUDGET", help="Bytes, '4GB', or a fraction/percent of RAM."),
     avoid_regimes: bool = typer.Option(False, "--avoid-regimes", help="Steer decode budgets around latency cliffs in this device's `justfit probe` map."),

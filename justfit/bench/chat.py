@@ -63,11 +63,11 @@ def long_prompt(question: str, tokens: int, seed: int, encode) -> str:
 
 def _fitted(rt, question: str, context: int, seed: int, max_tokens: int):
     """(prompt, ids) with a document of about `context` tokens, shortened so that the prompt and max_tokens
-    fit the model's context (a longer prompt is refused, as the model was not trained past it)."""
-    limit = getattr(getattr(rt.model, "args", None), "max_position_embeddings", None)
+    fit the model's context (the engine refuses a longer prompt: the model was not trained past it)."""
+    limit = rt.batch_engine().context
     prompt = long_prompt(question, context, seed=seed, encode=rt.encode)
     ids = rt.encode(prompt)
-    if context and limit and len(ids) + max_tokens > limit:
+    if context and len(ids) + max_tokens > limit:
         prompt = long_prompt(question, context - (len(ids) + max_tokens - limit), seed=seed, encode=rt.encode)
         ids = rt.encode(prompt)
     return prompt, ids

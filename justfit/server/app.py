@@ -136,7 +136,7 @@ def _cached_models(served, home) -> list:
 
     converted = set()
     for s in served:
-        if s.path.lower().endswith(".gguf"):
+        if s.gguf:
             try:
                 converted.add(gguf_cache_name(s.path))
             except OSError:  # unreadable now: its load will say why

@@ -23,12 +23,13 @@ RETRY_S = 5  # retry-after of a request the budget cannot hold while other model
 
 
 class Served:
-    """One model the server serves: model_id, names, its folder, and while loaded rt, worker, context, n_vocab."""
+    """One model the server serves: model_id, names, its folder (or GGUF file: `gguf`), and while loaded rt,
+    worker, context, n_vocab."""
 
     def __init__(self, spec: str, path: str, metrics, primary: bool = False):
         self.spec, self.path, self.metrics = spec, path, metrics
-        gguf = path.lower().endswith(".gguf")  # converted into the cache when it first loads
-        self.model_id = (Path(path).stem if gguf else Path(path).name) or spec
+        self.gguf = path.lower().endswith(".gguf")  # a GGUF file: converted into the cache when it first loads
+        self.model_id = (Path(path).stem if self.gguf else Path(path).name) or spec
         self.names = {self.model_id, spec, path} | ({"default"} if primary else set())
         self.rt = self.worker = None
         self.context: Optional[int] = None
@@ -167,7 +168,7 @@ class ModelPool:
     def _load(self, s: Served, progress):
         start = time.perf_counter()
         folder = s.path
-        if folder.lower().endswith(".gguf"):  # converted once into the cache, outside the MLX lock
+        if s.gguf:  # converted once into the cache, outside the MLX lock
             from ..models import import_gguf
 
             if progress:

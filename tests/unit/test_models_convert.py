@@ -104,7 +104,8 @@ def test_a_converted_gguf_served_by_name_is_not_listed_again_under_its_cache_fol
     home = tmp_path / "home"
     for f in (g, other):
         import_gguf(f.path, home=home, log=lambda m: None)
-    served = [SimpleNamespace(path=str(g.path)), SimpleNamespace(path=str(tmp_path / "gone.gguf"))]
+    served = [SimpleNamespace(path=str(g.path), gguf=True), SimpleNamespace(path=str(tmp_path / "gone.gguf"), gguf=True),
+              SimpleNamespace(path=str(tmp_path / "home" / "models"), gguf=False)]
     names = [row["name"] for row in _cached_models(served, home)]
     assert len(names) == 1 and names[0].startswith("other-"), names
 
